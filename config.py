@@ -1,0 +1,354 @@
+"""Typed configuration: the YAML file, dotted command-line overrides, and validation.
+
+Owns the dataclasses that every other module reads (`Config` and its sections), the loader that
+turns `gpt2_train_cfg.yaml` + `key.sub=value` overrides into them, and `UsageError`, the one
+exception type for bad user input (config, data, snapshot, CLI). `main.py` turns a `UsageError`
+into one line on stderr and exit code 2; nothing else in the project prints tracebacks for input
+mistakes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+TINY_SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
+TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+class UsageError(Exception):
+    """Bad input from the user. The message is one line: the problem and the fix."""
+
+
+@dataclass
+class DataConfig:
+    path: str = TINY_SHAKESPEARE_URL  # local file, or http(s) URL downloaded once into cache_dir
+    sha256: str = TINY_SHAKESPEARE_SHA256  # expected hash of a downloaded file ("" = don't check)
+    cache_dir: str = "~/.cache/mingpt-parallel"
+    tokenizer: str = "char"  # char | gpt2
+    truncate: int = 0  # keep only the first N characters (0 = whole corpus)
+    val_fraction: float = 0.1  # the last fraction of the tokens is the validation split
+    offline_fallback: bool = True  # URL unreachable and not cached: use the stdlib's .py text
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 2000
+    max_epochs: float = 0.0  # > 0 overrides max_steps: epochs over the train split, in steps
+    batch_size: int = 12  # GLOBAL batch: sequences per optimizer step, over all dp ranks
+    micro_batch_size: int = 0  # sequences per forward/backward on one rank (0 = whole rank share)
+    eval_every: int = 250
+    eval_batches: int = 20
+    log_every: int = 10
+    save_every: int = 500  # 0 = only at the end
+    keep_snapshots: int = 2
+    run_dir: str = "runs/shakespeare_char"
+    resume: str = "auto"  # auto | never | require
+    seed: int = 1337
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    compile: bool = False
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    device: str = "auto"  # auto | cpu | cuda
+    sample_tokens: int = 200  # length of the text sample written at the end (0 = none)
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = measure on CPU / table on GPU)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    lr_decay_steps: int = 0  # cosine decay length (0 = max_steps)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "ddp"  # none | dp | ddp | zero | fsdp (ddp with one process = plain training)
+    tp: int = 1
+    pp: int = 1
+    # ddp
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    # zero
+    zero_stage: int = 1
+    # fsdp
+    reshard_after_forward: bool = True
+    mixed_precision: str = "none"  # none | bf16 | fp16: FSDP2 param dtype (reduce in reduce_dtype)
+    reduce_dtype: str = "fp32"  # fp32 | bf16 | fp16
+    cpu_offload: bool = False
+    # any strategy
+    activation_checkpointing: bool = False
+    # tensor parallel
+    tp_vocab_parallel: bool = False
+    sequence_parallel: bool = False
+    # pipeline parallel
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    microbatches: int = 0  # pipeline micro-batches per step (0 = pp)
+    pp_split: str = ""  # comma-separated blocks per stage, e.g. "3,1" (empty = even split)
+    pp_stages_per_rank: int = 1
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    mode: str = ""  # online | offline | disabled ("" = online if WANDB_API_KEY is set, else offline)
+    project: str = "mingpt-parallel"
+    entity: str = ""
+    name: str = ""
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
+    dir: str = ""  # "" = inside run_dir
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def model_fingerprint(self) -> str:
+        """Hash of what fixes the parameter shapes: a snapshot only loads into the same shapes."""
+        shape = dataclasses.asdict(self.model)
+        shape.pop("dropout")
+        shape["tokenizer"] = self.data.tokenizer
+        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(key: str, value, ftype):
+    """Check/convert one value to the field's declared type, or raise UsageError."""
+    origin = typing.get_origin(ftype)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+            raise UsageError(f"config key '{key}' must be a list of strings, got {value!r}")
+        return [str(v) for v in value]
+    if ftype is bool:
+        if isinstance(value, bool):
+            return value
+        raise UsageError(f"config key '{key}' must be true or false, got {value!r}")
+    if ftype is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise UsageError(f"config key '{key}' must be an integer, got {value!r}")
+    if ftype is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UsageError(f"config key '{key}' must be a number, got {value!r}")
+    if ftype is str:
+        if value is None:
+            return ""
+        if isinstance(value, (dict, list)):
+            raise UsageError(f"config key '{key}' must be a string, got {value!r}")
+        return str(value)
+    raise AssertionError(f"unsupported field type {ftype}")
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if len(parts) != 2:
+        if len(parts) == 1 and parts[0] in sections:
+            raise UsageError(f"config section '{dotted}' needs a key, e.g. {dotted}.<key>=<value>")
+        raise UsageError(f"config key '{dotted}' must look like section.key{_suggest(dotted, sections)}")
+    sec_name, key = parts
+    if sec_name not in sections:
+        raise UsageError(f"unknown config section '{sec_name}'{_suggest(sec_name, sections)}; "
+                         f"sections are: {', '.join(sections)}")
+    section = getattr(cfg, sec_name)
+    hints = typing.get_type_hints(type(section))
+    if key not in hints:
+        full = [f"{sec_name}.{k}" for k in hints]
+        raise UsageError(f"unknown config key '{dotted}'{_suggest(dotted, full)}")
+    setattr(section, key, _coerce(dotted, value, hints[key]))
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file <- `section.key=value` overrides, then validate()."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UsageError(f"config file '{path}' not found; pass an existing YAML with --config")
+        try:
+            raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise UsageError(f"config file '{path}' is not valid YAML{at}; fix the syntax") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise UsageError(f"config file '{path}' must be a mapping of sections (data:, model:, ...)")
+        for sec, body in raw.items():
+            if body is None:
+                continue
+            if not isinstance(body, dict):
+                raise UsageError(f"config section '{sec}' in '{path}' must be a mapping of keys")
+            for key, value in body.items():
+                _set(cfg, f"{sec}.{key}", value)
+    for item in overrides:
+        if "=" not in item:
+            raise UsageError(f"override '{item}' must look like section.key=value")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        _set(cfg, key.strip(), value)
+    validate(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _choice(key: str, value: str, choices) -> None:
+    if value not in choices:
+        raise UsageError(f"{key}='{value}' is not one of {', '.join(choices)}{_suggest(value, choices)}")
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UsageError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+STRATEGIES = ("none", "dp", "ddp", "zero", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need only the config (world size checks live in parallel.validate_layout)."""
+    d, m, t, o, p, w = cfg.data, cfg.model, cfg.trainer, cfg.optimizer, cfg.parallel, cfg.wandb
+    _choice("data.tokenizer", d.tokenizer, ("char", "gpt2"))
+    _positive("data.truncate", d.truncate, allow_zero=True)
+    if not 0.0 < d.val_fraction < 1.0:
+        raise UsageError(f"data.val_fraction must be between 0 and 1, got {d.val_fraction}")
+    if not d.path:
+        raise UsageError("data.path is empty; give a text file or an http(s) URL")
+    for k in ("n_layer", "n_head", "n_embd", "block_size"):
+        _positive(f"model.{k}", getattr(m, k))
+    if m.n_embd % m.n_head:
+        raise UsageError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+                         f"pick n_embd a multiple of n_head")
+    if not 0.0 <= m.dropout < 1.0:
+        raise UsageError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    _positive("trainer.max_steps", t.max_steps)
+    _positive("trainer.max_epochs", t.max_epochs, allow_zero=True)
+    _positive("trainer.batch_size", t.batch_size)
+    _positive("trainer.micro_batch_size", t.micro_batch_size, allow_zero=True)
+    for k in ("eval_every", "eval_batches", "log_every", "keep_snapshots"):
+        _positive(f"trainer.{k}", getattr(t, k))
+    for k in ("save_every", "sample_tokens", "grad_clip", "peak_flops"):
+        _positive(f"trainer.{k}", getattr(t, k), allow_zero=True)
+    _choice("trainer.resume", t.resume, ("auto", "never", "require"))
+    _choice("trainer.precision", t.precision, PRECISIONS)
+    _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    if not t.run_dir:
+        raise UsageError("trainer.run_dir is empty; name a folder for this run's outputs")
+    _positive("optimizer.lr", o.lr)
+    _positive("optimizer.min_lr", o.min_lr, allow_zero=True)
+    if o.min_lr > o.lr:
+        raise UsageError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}; lower min_lr")
+    _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
+    _positive("optimizer.lr_decay_steps", o.lr_decay_steps, allow_zero=True)
+    _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+    for k in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, k) < 1.0:
+            raise UsageError(f"optimizer.{k} must be in [0, 1), got {getattr(o, k)}")
+    _choice("parallel.strategy", p.strategy, STRATEGIES)
+    _positive("parallel.tp", p.tp)
+    _positive("parallel.pp", p.pp)
+    _positive("parallel.bucket_cap_mb", p.bucket_cap_mb)
+    if p.zero_stage not in (1, 2, 3):
+        raise UsageError(f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
+    _choice("parallel.mixed_precision", p.mixed_precision, ("none", "bf16", "fp16"))
+    _choice("parallel.reduce_dtype", p.reduce_dtype, PRECISIONS)
+    _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    _positive("parallel.microbatches", p.microbatches, allow_zero=True)
+    _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank)
+    if m.n_head % p.tp:
+        raise UsageError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
+                         f"attention heads are split across tensor-parallel ranks")
+    _check_options_belong(p)
+    _choice("wandb.mode", w.mode, ("", "online", "offline", "disabled"))
+
+
+# Options that only mean something for some strategies: setting them elsewhere is a mistake the
+# user should hear about, not a silent no-op.
+_STRATEGY_ONLY = {
+    "zero_stage": ("zero",),
+    "reshard_after_forward": ("fsdp",),
+    "mixed_precision": ("fsdp",),
+    "reduce_dtype": ("fsdp",),
+    "cpu_offload": ("fsdp",),
+    "bucket_cap_mb": ("ddp", "zero"),
+    "gradient_as_bucket_view": ("ddp", "zero"),
+    "static_graph": ("ddp", "zero"),
+}
+
+
+def _check_options_belong(p: ParallelConfig) -> None:
+    defaults = ParallelConfig()
+    for key, owners in _STRATEGY_ONLY.items():
+        if getattr(p, key) != getattr(defaults, key) and p.strategy not in owners:
+            raise UsageError(f"parallel.{key} only applies to parallel.strategy="
+                             f"{' or '.join(owners)}, not '{p.strategy}'; remove it or change strategy")
+    pp_only = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")
+    if p.pp == 1:
+        for key in pp_only:
+            if getattr(p, key) != getattr(defaults, key):
+                raise UsageError(f"parallel.{key} only applies with parallel.pp > 1; set parallel.pp")
+    if p.tp == 1:
+        for key in ("tp_vocab_parallel", "sequence_parallel"):
+            if getattr(p, key):
+                raise UsageError(f"parallel.{key} only applies with parallel.tp > 1; set parallel.tp")
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,69 @@
+"""Consolidate a snapshot into a plain model.pt: `python export.py --run-dir runs/<name> [--step N]`.
+
+A snapshot written by any strategy (ddp, zero, fsdp, tp, pp, meshes) stores parameters under
+their plain names, sharded by DCP. Here one process, with no process group, builds the model
+from the snapshot's recorded config and lets DCP reassemble every shard into it. The result
+loads with `torch.load(..., weights_only=True)`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from config import UsageError
+from model import GPT, GPTConfig
+from snapshot import list_snapshots, step_dir_name, validate_snapshot
+
+
+def consolidate(run_dir: Path, step: int | None) -> dict:
+    """The model.pt payload from the snapshot at `step` (None: the newest valid one)."""
+    snaps = list_snapshots(run_dir / "snapshots")
+    if step is not None:
+        snaps = [p for p in snaps if p.name == step_dir_name(step)]
+    if not snaps:
+        which = f"at step {step}" if step is not None else "at all"
+        raise UsageError(f"no snapshot {which} in {run_dir / 'snapshots'}; check --run-dir/--step")
+    for path in snaps:
+        meta, why = validate_snapshot(path)
+        if meta is None:
+            if step is not None:
+                raise UsageError(f"snapshot {path} is damaged ({why}); pick another --step")
+            print(f"warning: skipping snapshot {path}: {why}", file=sys.stderr)
+            continue
+        gpt_cfg = GPTConfig(**meta["model_config"])
+        model = GPT(gpt_cfg)
+        sd = {k: v for k, v in model.state_dict().items()}
+        state = {"model": sd}
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        model.load_state_dict(state["model"])
+        return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "model_config": meta["model_config"], "config": meta["config"],
+                "tokenizer": meta["tokenizer"], "step": meta["step"]}
+    raise UsageError(f"no valid snapshot in {run_dir / 'snapshots'}; every one is damaged")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--step", type=int, default=None, help="snapshot step (default: newest valid)")
+    ap.add_argument("--out", default=None, help="output path (default: <run-dir>/model.pt)")
+    args = ap.parse_args(argv)
+    try:
+        payload = consolidate(Path(args.run_dir), args.step)
+        out = Path(args.out) if args.out else Path(args.run_dir) / "model.pt"
+        tmp = out.with_name(out.name + ".tmp")
+        torch.save(payload, tmp)
+        tmp.replace(out)
+        print(f"wrote {out} from step {payload['step']}")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Entry point: `python main.py [--config F] [section.key=value ...]`, or the same under torchrun.
+
+Owns the order of start-up: config -> process group -> run folder -> corpus and tokenizer ->
+model (same seed on every rank) -> strategy (parallel layout) -> Trainer -> resume -> tracker ->
+train -> model.pt + sample. Bad input anywhere surfaces as `UsageError`: one line on stderr and
+exit code 2, before any existing snapshot is touched.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "gpt2_train_cfg.yaml"
+
+
+def _one_line_warnings() -> None:
+    def fmt(message, category, filename, lineno, line=None):
+        return f"warning: {message}\n"
+    warnings.formatwarning = fmt
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        description="Train a GPT with the parallel layout chosen in the config.",
+        epilog="Overrides: section.key=value, e.g. trainer.max_steps=200 parallel.strategy=fsdp")
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
+    return ap.parse_args(argv)
+
+
+def run(argv) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from char_dataset import (CharDataset, build_tokenizer, load_corpus, load_tokenizer_record,
+                              save_tokenizer)
+    from config import UsageError, dump_yaml, load_config
+    from model import GPT, GPTConfig
+    from parallel import build_strategy
+    from parallel.mesh import init_distributed, shutdown
+    from sample import generate_text, model_from_state
+    from trainer import Trainer
+    from tracking import RunTracker
+
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(cfg.trainer.run_dir).expanduser()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"trainer.run_dir '{run_dir}' is a file; point it at a folder")
+    env = init_distributed(cfg)
+    try:
+        strategy = build_strategy(cfg, env)  # layout errors before any work
+        if env.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            print(f"config ({args.config} + {len(args.overrides)} overrides):\n{dump_yaml(cfg)}", flush=True)
+
+        # ---- data: the local leader downloads, everyone reads the same text
+        text, source = load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
+        stored = load_tokenizer_record(run_dir / "tokenizer.json") if cfg.trainer.resume != "never" else None
+        tok = build_tokenizer(cfg.data.tokenizer, text, stored)
+        data = CharDataset(tok.encode(text), cfg.model.block_size, cfg.data.val_fraction, cfg.trainer.seed)
+        env.barrier()
+        if env.rank == 0:
+            save_tokenizer(tok, run_dir / "tokenizer.json")
+
+        # ---- model: identical on every rank (same seed), then placed by the strategy
+        torch.manual_seed(cfg.trainer.seed)
+        gpt_cfg = GPTConfig(vocab_size=tok.vocab_size, **dataclasses.asdict(cfg.model))
+        model = GPT(gpt_cfg)
+        strategy.setup(model)
+        torch.manual_seed(cfg.trainer.seed + 1 + strategy.dp_rank)  # dropout: distinct per dp rank
+        trainer = Trainer(cfg, data, tok, strategy, run_dir, dataclasses.asdict(gpt_cfg))
+        meta = trainer.resume()
+
+        # ---- tracking on the one rank that holds the reduced loss
+        if strategy.is_tracker:
+            trainer.tracker = RunTracker(cfg, run_dir, resume_step=trainer.step if meta else None,
+                                         resume_run_id=trainer.tracker_run_id)
+        run_id = [trainer.tracker.run_id]
+        if env.distributed:
+            dist.broadcast_object_list(run_id, src=strategy.tracker_rank)
+        trainer.tracker_run_id = run_id[0]
+        if env.rank == 0:
+            (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+            pp, dp, tp = cfg.parallel.pp, strategy.dp_size, cfg.parallel.tp
+            print(f"data: {source} | {data.train.numel():,} train / {data.val.numel():,} val tokens | "
+                  f"vocab {tok.vocab_size} ({tok.kind})\n"
+                  f"model: {strategy.num_params:,} parameters | strategy {strategy.describe()} | "
+                  f"world {env.world_size} = pp {pp} x dp {dp} x tp {tp} | device {env.device} | "
+                  f"{trainer.max_steps} steps of {cfg.trainer.batch_size} x {cfg.model.block_size} tokens"
+                  + (f" | resumed from {meta['path']} at step {trainer.step}" if meta else ""), flush=True)
+
+        summary = trainer.train()
+
+        # ---- outputs: consolidated weights and a short sample
+        sd = trainer.export(run_dir / "model.pt")
+        if env.rank == 0 and cfg.trainer.sample_tokens:
+            sampler = model_from_state(sd, gpt_cfg)
+            sample = generate_text(sampler, tok, prompt="\n", tokens=cfg.trainer.sample_tokens,
+                                   seed=cfg.trainer.seed)
+            (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
+            print(f"--- sample ---\n{sample}\n--------------", flush=True)
+        env.barrier()
+        if strategy.is_tracker:
+            sample_path = run_dir / "sample.txt"
+            if sample_path.is_file():
+                trainer.tracker.log_text("sample", sample_path.read_text(encoding="utf-8"))
+            trainer.tracker.summary({k: v for k, v in summary.items() if v is not None})
+            trainer.tracker.finish()
+            print(f"done: step {summary['final_step']} | val loss {summary['val_loss']:.4f} | "
+                  f"outputs in {run_dir}", flush=True)
+    finally:
+        shutdown()
+    return 0
+
+
+def main(argv=None) -> int:
+    _one_line_warnings()
+    from config import UsageError
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

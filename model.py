@@ -1,0 +1,177 @@
+"""The GPT-2-style decoder: one readable file, no parallelism in it.
+
+Owns `GPTConfig`, the modules, GPT-2 initialisation, generation and the FLOP count for MFU.
+Two design choices exist for the parallel code in `parallel/`:
+- q, k and v are three separate Linear layers, not one fused [3C, C] layer: a column-wise TP
+  split of a fused layer would hand rank 0 all of q and half of k (silently wrong attention);
+  split per layer, every TP rank gets whole heads of q, k and v.
+- blocks live in a ModuleDict keyed "0".."L-1", and every top-level piece may be None: a pipeline
+  stage deletes what it does not own and keeps the same fully-qualified parameter names
+  ("blocks.3.attn.q_proj.weight"), so snapshots and parity checks line up across layouts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 65
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True  # LM head shares the token embedding matrix (GPT-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        c = cfg.n_embd
+        self.head_dim = c // cfg.n_head
+        self.q_proj = nn.Linear(c, c, bias=cfg.bias)
+        self.k_proj = nn.Linear(c, c, bias=cfg.bias)
+        self.v_proj = nn.Linear(c, c, bias=cfg.bias)
+        self.out_proj = nn.Linear(c, c, bias=cfg.bias)
+        self.out_proj.residual_scale = True  # GPT-2 init: std / sqrt(2 * n_layer)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # (B, T, C) -> (B, heads, T, head_dim). "-1" heads: under TP a rank holds n_head / tp heads.
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.resid_drop(self.out_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual_scale = True
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        # Activation checkpointing keeps only the block input and recomputes the rest in backward.
+        # A flag (not a wrapper module) so parameter names stay the same with it on or off.
+        self.activation_checkpointing = False
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2: N(0, 0.02) everywhere; residual projections N(0, 0.02 / sqrt(2 L)) because each
+        # block adds two of them to the residual stream and its variance would grow with depth.
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scale", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V). A pipeline stage without the embedding takes
+        hidden states (B, T, C) instead, and one without the head returns hidden states."""
+        if self.tok_emb is not None:
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x
+
+    # ------------------------------------------------------------------ accounting
+
+    def num_params(self, exclude_position: bool = True) -> int:
+        """Unique parameters (a tied matrix counts once); position embeddings are excluded by
+        default because they cost no matmul FLOPs (nanoGPT's convention)."""
+        n = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if exclude_position and self.pos_emb is not None:
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N for the matmuls of forward+backward, plus 12*L*C*T for
+        attention scores and values (PaLM appendix B). An untied input embedding is a lookup,
+        not a matmul, so it is left out of N."""
+        c = self.cfg
+        n = self.num_params()
+        if not c.tie_weights:
+            n -= c.vocab_size * c.n_embd
+        return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
+
+    # ------------------------------------------------------------------ sampling
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append max_new_tokens sampled tokens to idx (B, T); the context is cropped to block_size."""
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.cfg.block_size:]
+            logits = self(ctx)[:, -1, :].float()
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k > 0:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; logits are upcast so bf16/fp16 runs reduce in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

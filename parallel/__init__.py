@@ -1,0 +1,301 @@
+"""The strategy interface: everything the Trainer may ask of a parallel layout.
+
+The Trainer never looks at `parallel.strategy`; it calls the methods of the `Strategy` that
+`build_strategy` returns. This base class *is* the single-process strategy (`none`): one model on
+one device, micro-batch gradient accumulation, AdamW, DCP-ready state dicts. Each data-parallel
+strategy lives in its own file (`ddp.py`, `zero.py`, `fsdp.py`, `dp.py`) and overrides only the
+hooks it changes: how the model is wrapped (`wrap_data_parallel`), how accumulation skips
+communication (`no_sync`), the optimizer, the grad scaler, clipping and state dicts.
+
+Layout of one step, as the Trainer drives it:
+    loss = strategy.forward_backward(x, y, scale_loss)   # this rank's (B/dp, T) share
+    scaler.unscale_(optimizer)                           # fp16 only
+    norm = strategy.clip_grad_norm_(max_norm)
+    optimizer.step(); optimizer.zero_grad()
+    strategy.reduce_mean(loss)                           # only on log steps: one collective
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+
+from config import Config, UsageError
+from model import GPT, lm_loss
+from parallel.mesh import DistEnv, build_mesh, mesh_shape
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly DTensor) tensor that lives on this rank."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Strategy:
+    """parallel.strategy=none: one process, one device. Base class of every other strategy."""
+
+    name = "none"
+
+    def __init__(self, cfg: Config, env: DistEnv, mesh=None):
+        self.cfg = cfg
+        self.env = env
+        self.mesh = mesh
+        self.device = env.device
+        pp, dp, tp = mesh_shape(cfg, env.world_size)
+        self.dp_size = dp
+        self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+        self.model_parts: list[nn.Module] = []
+        self.model: nn.Module | None = None  # the module whose forward maps ids -> logits
+        self.loss_owner = True  # does this rank compute the loss? (pipeline: last stage only)
+        self.validate_layout()
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.cfg.trainer.batch_size // self.dp_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.cfg.trainer.micro_batch_size or self.per_rank_batch
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.per_rank_batch // self.micro_batch_size
+
+    def validate_layout(self) -> None:
+        """World-size-dependent checks (config-only checks are in config.validate)."""
+        t = self.cfg.trainer
+        if t.batch_size % self.dp_size:
+            raise UsageError(f"trainer.batch_size={t.batch_size} is not divisible by the "
+                             f"{self.dp_size} data-parallel ranks; use a multiple of {self.dp_size}")
+        if self.per_rank_batch % self.micro_batch_size:
+            raise UsageError(f"trainer.micro_batch_size={t.micro_batch_size} does not divide the "
+                             f"per-rank batch {self.per_rank_batch} (= batch_size / dp ranks); pick a "
+                             f"divisor of {self.per_rank_batch}")
+
+    @property
+    def is_main(self) -> bool:
+        """The one process that prints progress."""
+        return self.env.rank == 0
+
+    @property
+    def tracker_rank(self) -> int:
+        """Global rank of the one process that writes metrics and talks to wandb: it holds the
+        reduced loss (global rank 0, or the first rank of the last pipeline stage)."""
+        return 0
+
+    @property
+    def is_tracker(self) -> bool:
+        return self.env.rank == self.tracker_rank
+
+    def describe(self) -> str:
+        """One phrase for the start-up line, e.g. 'ddp (bucket 25 MB)'."""
+        return self.name
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, model: GPT) -> None:
+        """Record what the whole model costs (before any split), then parallelize it."""
+        self.flops_per_token = model.flops_per_token()
+        self.num_params = model.num_params(exclude_position=False)
+        self.parallelize(model)
+
+    def parallelize(self, model: GPT) -> None:
+        """Place `model` (built identically on every rank from the same seed) onto this layout."""
+        model.to(self.device)
+        for block in model.blocks.values():
+            block.activation_checkpointing = self.cfg.parallel.activation_checkpointing
+        self.model = self.wrap_data_parallel(model)
+        if self.cfg.trainer.compile:
+            self.model = torch.compile(self.model)
+        self.model_parts = [model]
+
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def unwrapped(self) -> list[nn.Module]:
+        """The GPT modules (or pipeline stages) with their plain parameter names."""
+        return self.model_parts
+
+    def param_groups(self) -> list[dict]:
+        """AdamW groups: decay matrices (embeddings, linear weights), not biases or LayerNorm."""
+        seen, decay, no_decay = set(), [], []
+        for part in self.unwrapped():
+            for p in part.parameters():
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        return [{"params": decay, "weight_decay": self.cfg.optimizer.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    def _adamw_kernel(self, params: list[torch.Tensor]) -> dict:
+        """fused on plain tensors (CPU and CUDA both have it); DTensor params use torch's
+        default (fused/foreach do not take a mix of DTensor and plain tensors)."""
+        plain = all(type(p) in (torch.Tensor, nn.Parameter) for p in params)
+        return {"fused": True} if plain else {}
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optimizer
+        groups = self.param_groups()
+        params = [p for g in groups for p in g["params"]]
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), **self._adamw_kernel(params))
+
+    def make_grad_scaler(self):
+        """fp16 needs loss scaling (its 5-bit exponent underflows small gradients); bf16/fp32 do not."""
+        if self.cfg.trainer.precision != "fp16":
+            return None
+        return torch.amp.GradScaler(self.device.type)
+
+    # ------------------------------------------------------------------ step
+
+    def autocast(self):
+        prec = self.cfg.trainer.precision
+        if prec == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[prec])
+
+    def no_sync(self, skip_sync: bool):
+        """Context for one micro-batch's backward; skip_sync=True on all but the last micro-batch
+        so data-parallel wrappers do not reduce gradients that are still accumulating."""
+        return contextlib.nullcontext()
+
+    def micro_batches(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        m = self.micro_batch_size
+        for i in range(0, x.size(0), m):
+            yield x[i:i + m].to(self.device, non_blocking=True), y[i:i + m].to(self.device, non_blocking=True)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
+                         scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda l: l) -> torch.Tensor:
+        """Forward + backward over this rank's share (B/dp, T); gradients end up averaged over the
+        global batch. Returns this rank's mean loss (detached)."""
+        n = self.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for i, (xm, ym) in enumerate(self.micro_batches(x, y)):
+            with self.no_sync(skip_sync=i < n - 1):
+                with self.autocast():
+                    loss = self.loss_fn(self.model(xm), ym)
+                scale_loss(loss / n).backward()
+            total += loss.detach()
+        return total / n
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss of this rank's share of one validation batch (no gradients)."""
+        total = torch.zeros((), device=self.device)
+        n = 0
+        for xm, ym in self.micro_batches(x, y):
+            with self.autocast():
+                total += self.loss_fn(self.model(xm), ym).float()
+            n += 1
+        return total / n
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm; returns the norm before clipping. max_norm=0 only
+        measures it."""
+        params = [p for part in self.unwrapped() for p in part.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
+                                              foreach=None)
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean over data-parallel ranks of a per-rank scalar held by the loss owners; returned on
+        every rank (under pp, non-owners contribute zero and receive the result)."""
+        if not self.env.distributed:
+            return value.detach().float()
+        v = value.detach().float().clone() if self.loss_owner else torch.zeros((), device=self.device)
+        if self.loss_owner and self.mesh is not None and self.mesh["tp"].size() > 1 \
+                and self.mesh["tp"].get_local_rank() != 0:
+            v.zero_()  # tp ranks hold the same loss: count it once
+        dist.all_reduce(v)
+        return v / self.dp_size
+
+    def after_optimizer_step(self) -> None:
+        """Hook after optimizer.step() (e.g. re-tie weights or gather shards)."""
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Model and optimizer state keyed by plain parameter names, in DCP's sharded form: a
+        snapshot written by any strategy loads into any other and any world size."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self._state_module(), optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        set_state_dict(self._state_module(), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.after_optimizer_step()
+
+    def _state_module(self) -> nn.Module:
+        return self.unwrapped()[0]
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's plain CPU tensors on global rank 0 (None elsewhere): for model.pt."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(self._state_module(),
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().cpu().clone() for k, v in sd.items()} if self.env.rank == 0 else None
+
+    def sampling_model(self) -> nn.Module | None:
+        """A plain module for generate() on rank 0 (None elsewhere)."""
+        return self.unwrapped()[0] if self.env.rank == 0 else None
+
+    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank actually holds for parameters, gradients and optimizer state, read from
+        the local tensors (a DTensor counts its local shard; a shared tensor counts once)."""
+        seen: set[int] = set()
+
+        def nbytes(ts) -> int:
+            total = 0
+            for t in ts:
+                if t is None or not torch.is_tensor(t):
+                    continue
+                loc = local_tensor(t)
+                key = loc.untyped_storage().data_ptr() if loc.numel() else id(loc)
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += loc.untyped_storage().nbytes() if loc.numel() else 0
+            return total
+
+        params = [p for part in self.unwrapped() for p in part.parameters()]
+        out = {"params": nbytes(params)}
+        out["grads"] = nbytes([p.grad for p in params])
+        out["optimizer"] = nbytes([v for st in optimizer.state.values() for k, v in st.items()
+                                   if torch.is_tensor(v) and v.dim() > 0])
+        return out
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """parallel.strategy -> class. Imports lazily so `none` never imports distributed engines."""
+    if name == "none":
+        return Strategy
+    if name == "ddp":
+        from parallel.ddp import DDPStrategy
+        return DDPStrategy
+    if name == "zero":
+        from parallel.zero import ZeroStrategy
+        return ZeroStrategy
+    if name == "fsdp":
+        from parallel.fsdp import FSDPStrategy
+        return FSDPStrategy
+    if name == "dp":
+        from parallel.dp import DataParallelStrategy
+        return DataParallelStrategy
+    raise UsageError(f"unknown parallel.strategy '{name}'")
+
+
+def build_strategy(cfg: Config, env: DistEnv) -> Strategy:
+    """The strategy object for this config and launch, with its device mesh."""
+    mesh_shape(cfg, env.world_size)  # clear error before any collective
+    mesh = build_mesh(cfg, env)
+    return strategy_class(cfg.parallel.strategy)(cfg, env, mesh)

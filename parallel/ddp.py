@@ -1,0 +1,53 @@
+"""parallel.strategy=ddp: torch's DistributedDataParallel over the mesh's `dp` dimension.
+
+Every rank holds the full model, gradients and optimizer state (fp32 Adam: 4a + 4a + 8a = 16a
+bytes for a parameters, plus DDP's gradient buckets: 4a more unless `gradient_as_bucket_view`
+makes the gradients views into the buckets). Backward hooks all-reduce gradients bucket by bucket
+(`bucket_cap_mb`, in reverse parameter order, overlapping with the rest of backward); a ring
+all-reduce moves 2K(N-1)/N bytes per rank for K bytes of gradients.
+
+Gradient accumulation: all micro-batches but the last run under `no_sync()`, so gradients
+accumulate locally and are all-reduced once per optimizer step.
+
+With a single process (plain `python main.py`) there is nothing to synchronise: the model is
+left unwrapped, which is exactly what DDP with world size 1 would compute.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from parallel import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def describe(self) -> str:
+        p = self.cfg.parallel
+        if self.dp_size == 1:
+            return "ddp (one data-parallel rank: no gradient all-reduce)"
+        return (f"ddp (bucket {p.bucket_cap_mb:g} MB, grads as bucket views "
+                f"{'on' if p.gradient_as_bucket_view else 'off'}"
+                f"{', static graph' if p.static_graph else ''})")
+
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        if self.dp_size == 1:
+            return model
+        p = self.cfg.parallel
+        self._ddp = DistributedDataParallel(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=self.mesh["dp"].get_group(),
+            bucket_cap_mb=p.bucket_cap_mb,
+            gradient_as_bucket_view=p.gradient_as_bucket_view,
+            static_graph=p.static_graph,
+        )
+        return self._ddp
+
+    def no_sync(self, skip_sync: bool):
+        if skip_sync and self.dp_size > 1:
+            return self._ddp.no_sync()
+        return contextlib.nullcontext()

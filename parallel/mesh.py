@@ -1,0 +1,88 @@
+"""Process group start-up and the (pp, dp, tp) device mesh.
+
+Owns `DistEnv` (rank, world size, device) and `build_mesh`. torchrun sets RANK/WORLD_SIZE/
+LOCAL_RANK; without them the program is one process and no process group is created.
+
+Mesh order is ("pp", "dp", "tp") with tp innermost: tensor parallelism talks twice per block, so
+its ranks should be neighbours (same host, NVLink); pipeline stages talk least, so they are
+outermost. dp = world_size / (tp * pp).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from config import Config, UsageError
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: no process group (a plain `python main.py`)
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def pick_device(cfg: Config, local_rank: int) -> torch.device:
+    want = cfg.trainer.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UsageError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Config, timeout_s: float | None = None) -> DistEnv:
+    """Start the process group when launched by torchrun (gloo on CPU, nccl on CUDA)."""
+    if not launched_by_torchrun():
+        return DistEnv(device=pick_device(cfg, 0))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(cfg, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MINGPT_PG_TIMEOUT", 600)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def mesh_shape(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """(pp, dp, tp) for this world size, or a UsageError naming the mismatch."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world_size % (tp * pp):
+        raise UsageError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
+                         f"{tp * pp}; launch a multiple of {tp * pp} processes")
+    return pp, world_size // (tp * pp), tp
+
+
+def build_mesh(cfg: Config, env: DistEnv):
+    """The named 3-D DeviceMesh, or None for a single process."""
+    pp, dp, tp = mesh_shape(cfg, env.world_size)
+    if not env.distributed:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(env.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))

@@ -1,0 +1,82 @@
+"""Generate text from a trained run: `python sample.py --run-dir runs/<name> --prompt "ROMEO:"`.
+
+Reads `<run_dir>/model.pt` (plain tensors + configs + tokenizer, loaded with weights_only=True),
+or with `--snapshot` the newest valid snapshot of the run (any strategy, any world size: DCP
+reassembles the shards in this one process). Needs no process group and no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from config import UsageError
+from model import GPT, GPTConfig
+
+
+def model_from_state(state_dict: dict, gpt_cfg: GPTConfig) -> GPT:
+    model = GPT(gpt_cfg)
+    model.load_state_dict(state_dict)
+    return model.eval()
+
+
+def load_model_pt(path: Path):
+    """(model, tokenizer, payload) from a model.pt written by main.py or export.py."""
+    from char_dataset import tokenizer_from_dict
+    if not path.is_file():
+        raise UsageError(f"{path} not found; train first (python main.py) or export a snapshot "
+                         f"(python export.py --run-dir ...)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable model.pt ({type(e).__name__}); export it again "
+                         f"with python export.py") from None
+    if not isinstance(payload, dict) or "model" not in payload or "model_config" not in payload:
+        raise UsageError(f"{path} is not a model.pt of this project; export it again with python export.py")
+    model = model_from_state(payload["model"], GPTConfig(**payload["model_config"]))
+    return model, tokenizer_from_dict(payload["tokenizer"]), payload
+
+
+def generate_text(model: GPT, tok, prompt: str, tokens: int, temperature: float = 0.8,
+                  top_k: int | None = 200, seed: int = 1337) -> str:
+    ids = tok.encode(prompt)
+    if ids.numel() == 0:
+        raise UsageError("the prompt is empty after tokenization; give --prompt some text")
+    g = torch.Generator().manual_seed(seed)
+    out = model.generate(ids[None, :], tokens, temperature=temperature, top_k=top_k, generator=g)
+    return tok.decode(out[0].tolist())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True, help="the run folder (trainer.run_dir)")
+    ap.add_argument("--prompt", default="\n")
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--snapshot", action="store_true", help="sample from the newest snapshot, not model.pt")
+    args = ap.parse_args(argv)
+    try:
+        if args.tokens < 1:
+            raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
+        run_dir = Path(args.run_dir)
+        if args.snapshot:
+            from export import consolidate
+            payload = consolidate(run_dir, None)
+            from char_dataset import tokenizer_from_dict
+            model = model_from_state(payload["model"], GPTConfig(**payload["model_config"]))
+            tok = tokenizer_from_dict(payload["tokenizer"])
+        else:
+            model, tok, _ = load_model_pt(run_dir / "model.pt")
+        print(generate_text(model, tok, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The Trainer: the step loop, LR schedule, mixed precision, eval, logging, snapshots, export.
+
+It talks to the model only through a `parallel.Strategy` and never asks which strategy it is.
+`trainer.batch_size` is the GLOBAL batch (sequences per optimizer step); the strategy splits it
+over data-parallel ranks and micro-batches. One optimizer step is:
+
+    loss = strategy.forward_backward(x, y, scaler.scale)   # grads averaged over the global batch
+    scaler.unscale_(opt); norm = strategy.clip_grad_norm_(clip); scaler.step(opt); scaler.update()
+    scheduler.step()
+
+Resume state (`state_tensors` + `state_meta`): model, optimizer, LR scheduler, grad scaler, step
+(which is also the data position: batches are a pure function of (seed, step)), RNG states, and
+the run tracker's id. Snapshot files themselves are `snapshot.py`'s business.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import resource
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
+
+from char_dataset import Batching, CharDataset
+from config import Config, UsageError
+from parallel import Strategy, local_tensor
+from perf import device_peak_flops, mfu
+from snapshot import SnapshotManager, rng_state, set_rng_state
+from tracking import NullTracker, Progress
+
+
+def lr_at(step: int, cfg: Config, max_steps: int) -> float:
+    """Linear warmup to optimizer.lr, then cosine decay to optimizer.min_lr over lr_decay_steps."""
+    o = cfg.optimizer
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    decay = o.lr_decay_steps or max_steps
+    if step >= decay:
+        return o.min_lr
+    progress = (step - o.warmup_steps) / max(1, decay - o.warmup_steps)
+    return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)
+
+
+def total_steps(cfg: Config, data: CharDataset) -> int:
+    """trainer.max_epochs (when > 0) converted to optimizer steps, else trainer.max_steps."""
+    t = cfg.trainer
+    if t.max_epochs > 0:
+        return max(1, math.ceil(t.max_epochs * data.steps_per_epoch(t.batch_size)))
+    return t.max_steps
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    def __init__(self, cfg: Config, data: CharDataset, tokenizer, strategy: Strategy, run_dir: Path,
+                 model_config: dict):
+        self.cfg = cfg
+        self.data = data
+        self.tokenizer = tokenizer
+        self.strategy = strategy
+        self.run_dir = run_dir
+        self.model_config = model_config  # GPTConfig as a dict (for model.pt)
+        self.max_steps = total_steps(cfg, data)
+        data.check_batch(cfg.trainer.batch_size)
+        self.batching = Batching(cfg.trainer.batch_size, strategy.dp_rank, strategy.dp_size)
+        self.optimizer = strategy.build_optimizer()
+        base_lr = cfg.optimizer.lr
+        self.scheduler = LambdaLR(self.optimizer, lambda s: lr_at(s, cfg, self.max_steps) / base_lr)
+        self.scaler = strategy.make_grad_scaler()
+        self.step = 0
+        self.tracker = NullTracker()
+        self.tracker_run_id: str | None = None
+        self.snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, strategy.env.rank,
+                                         strategy.env.distributed)
+        self.flops_per_token = strategy.flops_per_token
+        self.peak_flops = device_peak_flops(strategy.device, cfg.trainer.precision, cfg.trainer.peak_flops)
+        self.last_val_loss: float | None = None
+
+    # ------------------------------------------------------------------ resume state
+
+    def state_tensors(self) -> dict:
+        state = self.strategy.state_dict(self.optimizer)
+        state["rng"] = {f"rank{self.strategy.env.rank}": rng_state()["cpu"]}
+        return state
+
+    def state_meta(self) -> dict:
+        env = self.strategy.env
+        return {
+            "step": self.step,
+            "data_position": {"step": self.step, "global_batch": self.cfg.trainer.batch_size,
+                              "seed": self.cfg.trainer.seed},
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "tracker_run_id": self.tracker_run_id,
+            "fingerprint": self.cfg.model_fingerprint(),
+            "config": self.cfg.to_dict(),
+            "model_config": self.model_config,
+            "tokenizer": self.tokenizer.to_dict(),
+            "world_size": env.world_size,
+            "strategy": self.cfg.parallel.strategy,
+            "mesh": {"pp": self.cfg.parallel.pp, "dp": self.strategy.dp_size, "tp": self.cfg.parallel.tp},
+        }
+
+    def save_snapshot(self) -> Path:
+        return self.snapshots.save(self.step, self.state_tensors(), self.state_meta())
+
+    def resume(self) -> dict | None:
+        """Load the newest valid snapshot according to trainer.resume; returns its meta or None."""
+        mode = self.cfg.trainer.resume
+        if mode == "never":
+            if self.snapshots.has_any():
+                raise UsageError(f"{self.snapshots.snap_dir} already holds snapshots and trainer.resume="
+                                 f"never; pick another trainer.run_dir or set trainer.resume=auto")
+            return None
+        found = self.snapshots.find_latest()
+        if found is None:
+            if mode == "require":
+                raise UsageError(f"trainer.resume=require but {self.snapshots.snap_dir} holds no valid "
+                                 f"snapshot; set trainer.resume=auto to start fresh")
+            return None
+        path, meta = found
+        if meta.get("fingerprint") != self.cfg.model_fingerprint():
+            old = meta.get("config", {}).get("model", {})
+            raise UsageError(f"snapshot {path} was trained with a different model shape ({old}); use "
+                             f"the same model.* and data.tokenizer settings or another trainer.run_dir")
+        tensors = self.state_tensors()
+        same_world = meta.get("world_size") == self.strategy.env.world_size
+        rng_key = f"rank{self.strategy.env.rank}"
+        if not (same_world and f"rng.{rng_key}" in self.snapshots.stored_keys(path)):
+            tensors.pop("rng")
+        self.snapshots.load(path, tensors)
+        self.strategy.load_state_dict(tensors, self.optimizer)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if self.scaler is not None and meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+        self.step = int(meta["step"])
+        if "rng" in tensors:
+            set_rng_state({"cpu": tensors["rng"][rng_key]})
+        else:  # another world size: per-rank streams do not map; derive them from (seed, step, rank)
+            torch.manual_seed(self.cfg.trainer.seed + 7919 * self.step + self.strategy.env.rank)
+        self.tracker_run_id = meta.get("tracker_run_id")
+        return {**meta, "path": str(path)}
+
+    # ------------------------------------------------------------------ loop
+
+    def evaluate(self) -> float:
+        for part in self.strategy.unwrapped():
+            part.eval()
+        total = torch.zeros((), device=self.strategy.device)
+        n = 0
+        for x, y in self.data.val_batches(self.cfg.trainer.eval_batches, self.batching):
+            total += self.strategy.eval_loss(x, y)
+            n += 1
+        for part in self.strategy.unwrapped():
+            part.train()
+        return float(self.strategy.reduce_mean(total / n))
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on the global batch of self.step. Returns (loss, grad norm)."""
+        x, y = self.data.train_batch(self.step, self.batching)
+        scale = self.scaler.scale if self.scaler is not None else (lambda l: l)
+        loss = self.strategy.forward_backward(x, y, scale)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        norm = self.strategy.clip_grad_norm_(self.cfg.trainer.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.strategy.after_optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return loss, norm
+
+    def _reduce_max(self, value: float) -> float:
+        if not self.strategy.env.distributed:
+            return value
+        t = torch.tensor(float(value), device=self.strategy.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def train(self) -> dict:
+        t = self.cfg.trainer
+        s = self.strategy
+        tokens_per_step = t.batch_size * self.cfg.model.block_size
+        progress = Progress(self.max_steps, self.step, enabled=s.is_tracker)
+        window_time, window_steps, step_times = 0.0, 0, []
+        tokens_per_sec = 0.0
+        while self.step < self.max_steps:
+            t0 = time.perf_counter()
+            lr = self.scheduler.get_last_lr()[0]
+            loss, norm = self.train_step()
+            step_times.append(time.perf_counter() - t0)  # train step only: eval/save excluded
+            window_time += step_times[-1]
+            window_steps += 1
+            row = {}
+            last = self.step == self.max_steps
+            if self.step % t.log_every == 0 or last:
+                loss_v = float(s.reduce_mean(loss))
+                tokens_per_sec = tokens_per_step * window_steps / window_time
+                row.update(loss=loss_v, lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
+                           mfu=mfu(self.flops_per_token, tokens_per_sec, self.peak_flops, s.env.world_size),
+                           step_time_ms=1000 * window_time / window_steps,
+                           peak_mem_mb=self._reduce_max(peak_memory_bytes(s.device)) / 2**20)
+                if not math.isfinite(loss_v):
+                    raise FloatingPointError(f"loss became {loss_v} at step {self.step}")
+                progress.update(self.step, row)
+                window_time, window_steps = 0.0, 0
+            if self.step % t.eval_every == 0 or last:
+                self.last_val_loss = self.evaluate()
+                row["val_loss"] = self.last_val_loss
+                progress.message(f"step {self.step}: val loss {self.last_val_loss:.4f}")
+            if row:
+                self.tracker.log(self.step, row)
+            if (t.save_every and self.step % t.save_every == 0) or last:
+                self.save_snapshot()
+        progress.close()
+        med = sorted(step_times)[len(step_times) // 2] if step_times else 0.0
+        return {"final_step": self.step, "val_loss": self.last_val_loss,
+                "median_step_ms": 1000 * med, "tokens_per_sec": tokens_per_sec}
+
+    # ------------------------------------------------------------------ outputs
+
+    def export(self, path: Path) -> dict | None:
+        """Collective. Writes the consolidated model.pt (plain tensors + configs + tokenizer,
+        loadable with torch.load(weights_only=True)) on rank 0 and returns its state dict there."""
+        sd = self.strategy.full_model_state_dict()
+        if self.strategy.env.rank != 0:
+            return None
+        payload = {"model": sd, "model_config": self.model_config, "config": self.cfg.to_dict(),
+                   "tokenizer": self.tokenizer.to_dict(), "step": self.step}
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(payload, tmp)
+        tmp.replace(path)
+        return sd
