@@ -33,18 +33,47 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def run(argv) -> int:
+def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
+    """Corpus, tokenizer, model (same seed on every rank), strategy and Trainer for `cfg` on this
+    launch. Shared by main() and the parity tests, so both build runs the same way."""
+    import dataclasses as dc
+
     import torch
-    import torch.distributed as dist
 
     from char_dataset import (CharDataset, build_tokenizer, load_corpus, load_tokenizer_record,
                               save_tokenizer)
-    from config import UsageError, dump_yaml, load_config
     from model import GPT, GPTConfig
     from parallel import build_strategy
+    from trainer import Trainer
+
+    strategy = build_strategy(cfg, env)  # layout errors before any work
+    if env.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    # ---- data: the local leader downloads, everyone reads the same text
+    text, source = load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
+    stored = load_tokenizer_record(run_dir / "tokenizer.json") if cfg.trainer.resume != "never" else None
+    tok = build_tokenizer(cfg.data.tokenizer, text, stored)
+    data = CharDataset(tok.encode(text), cfg.model.block_size, cfg.data.val_fraction, cfg.trainer.seed)
+    env.barrier()
+    if env.rank == 0:
+        save_tokenizer(tok, run_dir / "tokenizer.json")
+    # ---- model: identical on every rank (same seed), then placed by the strategy
+    torch.manual_seed(cfg.trainer.seed)
+    gpt_cfg = GPTConfig(vocab_size=tok.vocab_size, **dc.asdict(cfg.model))
+    strategy.setup(GPT(gpt_cfg))
+    torch.manual_seed(cfg.trainer.seed + 1 + strategy.dp_rank)  # dropout: distinct per dp rank
+    trainer = Trainer(cfg, data, tok, strategy, run_dir, dc.asdict(gpt_cfg))
+    trainer.data_source = source
+    return trainer
+
+
+def run(argv) -> int:
+    import torch.distributed as dist
+
+    from config import UsageError, dump_yaml, load_config
+    from model import GPTConfig
     from parallel.mesh import init_distributed, shutdown
     from sample import generate_text, model_from_state
-    from trainer import Trainer
     from tracking import RunTracker
 
     args = parse_args(argv)
@@ -54,27 +83,11 @@ def run(argv) -> int:
         raise UsageError(f"trainer.run_dir '{run_dir}' is a file; point it at a folder")
     env = init_distributed(cfg)
     try:
-        strategy = build_strategy(cfg, env)  # layout errors before any work
         if env.rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
             print(f"config ({args.config} + {len(args.overrides)} overrides):\n{dump_yaml(cfg)}", flush=True)
-
-        # ---- data: the local leader downloads, everyone reads the same text
-        text, source = load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
-        stored = load_tokenizer_record(run_dir / "tokenizer.json") if cfg.trainer.resume != "never" else None
-        tok = build_tokenizer(cfg.data.tokenizer, text, stored)
-        data = CharDataset(tok.encode(text), cfg.model.block_size, cfg.data.val_fraction, cfg.trainer.seed)
-        env.barrier()
-        if env.rank == 0:
-            save_tokenizer(tok, run_dir / "tokenizer.json")
-
-        # ---- model: identical on every rank (same seed), then placed by the strategy
-        torch.manual_seed(cfg.trainer.seed)
-        gpt_cfg = GPTConfig(vocab_size=tok.vocab_size, **dataclasses.asdict(cfg.model))
-        model = GPT(gpt_cfg)
-        strategy.setup(model)
-        torch.manual_seed(cfg.trainer.seed + 1 + strategy.dp_rank)  # dropout: distinct per dp rank
-        trainer = Trainer(cfg, data, tok, strategy, run_dir, dataclasses.asdict(gpt_cfg))
+        trainer = build_trainer(cfg, env, run_dir)
+        strategy, data, tok = trainer.strategy, trainer.data, trainer.tokenizer
+        gpt_cfg = GPTConfig(**trainer.model_config)
         meta = trainer.resume()
 
         # ---- tracking on the one rank that holds the reduced loss
@@ -88,7 +101,7 @@ def run(argv) -> int:
         if env.rank == 0:
             (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
             pp, dp, tp = cfg.parallel.pp, strategy.dp_size, cfg.parallel.tp
-            print(f"data: {source} | {data.train.numel():,} train / {data.val.numel():,} val tokens | "
+            print(f"data: {trainer.data_source} | {data.train.numel():,} train / {data.val.numel():,} val tokens | "
                   f"vocab {tok.vocab_size} ({tok.kind})\n"
                   f"model: {strategy.num_params:,} parameters | strategy {strategy.describe()} | "
                   f"world {env.world_size} = pp {pp} x dp {dp} x tp {tp} | device {env.device} | "

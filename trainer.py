@@ -165,16 +165,19 @@ class Trainer:
             part.train()
         return float(self.strategy.reduce_mean(total / n))
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on the global batch of self.step. Returns (loss, grad norm)."""
+    def forward_backward(self) -> torch.Tensor:
+        """Gradients of the global batch of self.step (this rank's share); returns the rank's loss."""
         x, y = self.data.train_batch(self.step, self.batching)
         scale = self.scaler.scale if self.scaler is not None else (lambda l: l)
-        loss = self.strategy.forward_backward(x, y, scale)
+        return self.strategy.forward_backward(x, y, scale)
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Unscale (fp16), clip, step, advance the schedule. Returns the pre-clip grad norm."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         norm = self.strategy.clip_grad_norm_(self.cfg.trainer.grad_clip)
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            self.scaler.step(self.optimizer)  # skipped if any gradient is inf/nan
             self.scaler.update()
         else:
             self.optimizer.step()
@@ -182,7 +185,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        return loss, norm
+        return norm
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on the global batch of self.step. Returns (loss, grad norm)."""
+        loss = self.forward_backward()
+        return loss, self.optimizer_step()
 
     def _reduce_max(self, value: float) -> float:
         if not self.strategy.env.distributed:

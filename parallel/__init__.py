@@ -202,8 +202,9 @@ class Strategy:
         """Clip the global gradient norm; returns the norm before clipping. max_norm=0 only
         measures it."""
         params = [p for part in self.unwrapped() for p in part.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
                                               foreach=None)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks of a per-rank scalar held by the loss owners; returned on
@@ -216,6 +217,17 @@ class Strategy:
             v.zero_()  # tp ranks hold the same loss: count it once
         dist.all_reduce(v)
         return v / self.dp_size
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Collective. Every parameter's whole gradient by plain name, on every rank: what parity
+        tests compare against one process. Sharded strategies gather their shards."""
+        out = {}
+        for part in self.unwrapped():
+            for name, p in part.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    out[name] = g.detach().float().cpu().clone()
+        return out
 
     def after_optimizer_step(self) -> None:
         """Hook after optimizer.step() (e.g. re-tie weights or gather shards)."""

@@ -1,0 +1,25 @@
+"""pytest set-up: the repository on sys.path, offline tiktoken, one torch thread per process."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import CORPUS, TIKTOKEN_DIR  # noqa: E402
+
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
+os.environ["WANDB_MODE"] = "offline"
+os.environ.pop("WANDB_API_KEY", None)
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def corpus() -> Path:
+    assert CORPUS.is_file(), f"test corpus missing: {CORPUS} (the shared/ folder beside the repo)"
+    return CORPUS

@@ -1,0 +1,96 @@
+"""Shared by the tests: the corpus location, the tiny test config, launching torchrun, and
+running K training steps of one configuration (in this process or under torchrun).
+
+Multi-process launches take a machine-wide file lock, so two of them never share the 2 cores
+(pytest-xdist workers or several checkouts included), and always run with a short process-group
+timeout and a wall-clock timeout so a dead peer fails the test instead of hanging it.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+CORPUS = SHARED / "data" / "tinyshakespeare.txt"
+TIKTOKEN_DIR = SHARED / "data" / "tiktoken"
+LOCK = Path(os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock"))
+
+# A model small enough that a step takes milliseconds, big enough to have every kind of layer:
+# 4 blocks (pp=2 x 2 stages per rank), 4 heads (tp=2 or 4), micro-batches (accumulation 2 at dp=2).
+TINY = [
+    f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=4", "model.n_head=4",
+    "model.n_embd=32", "model.block_size=16", "trainer.batch_size=8", "trainer.micro_batch_size=2",
+    "trainer.eval_every=5", "trainer.eval_batches=2", "trainer.log_every=5", "trainer.save_every=0",
+    "trainer.sample_tokens=20", "optimizer.warmup_steps=2", "wandb.enabled=false",
+]
+
+
+def child_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MINGPT_PG_TIMEOUT="60", PYTHONUNBUFFERED="1",
+               TIKTOKEN_CACHE_DIR=str(TIKTOKEN_DIR), WANDB_MODE="offline", WANDB_SILENT="true",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.pop("WANDB_API_KEY", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@contextmanager
+def multiprocess_lock():
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def torchrun(nproc: int, script_and_args: list[str], timeout: float = 300, cwd: Path = REPO,
+             extra_torchrun: list[str] = (), **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *extra_torchrun, *script_and_args]
+    with multiprocess_lock():
+        return subprocess.run(cmd, cwd=cwd, env=child_env(**env), capture_output=True, text=True,
+                              timeout=timeout)
+
+
+def python(args: list[str], timeout: float = 300, cwd: Path = REPO, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=child_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: int = 1) -> dict:
+    """Train `steps` steps of TINY + overrides in this process's launch (single process or one
+    rank of torchrun). Returns losses (dp-mean, every step), first-step gradients (whole, by
+    name), and each rank's resident bytes after the backward of step `memory_at_step`."""
+    import torch.distributed as dist
+
+    from config import load_config
+    from main import build_trainer
+    from parallel.mesh import init_distributed
+
+    cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}"] + list(overrides))
+    env = init_distributed(cfg)
+    trainer = build_trainer(cfg, env, run_dir)
+    s = trainer.strategy
+    losses, grads, memory = [], None, None
+    for step in range(steps):
+        loss = trainer.forward_backward()
+        if step == 0:
+            grads = s.full_grad_dict()
+        if step == memory_at_step:
+            mine = s.resident_bytes(trainer.optimizer)
+            memory = [mine]
+            if env.distributed:
+                memory = [None] * env.world_size
+                dist.all_gather_object(memory, mine)
+        trainer.optimizer_step()
+        losses.append(float(s.reduce_mean(loss)))
+    return {"losses": losses, "grads": grads, "memory": memory, "world": env.world_size,
+            "num_params": s.num_params, "dp": s.dp_size}
