@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from config import UsageError
 from model import GPT, GPTConfig
-from snapshot import list_snapshots, step_dir_name, validate_snapshot
+from snapshot import _quiet_single_process, list_snapshots, step_dir_name, validate_snapshot
 
 
 def consolidate(run_dir: Path, step: int | None) -> dict:
@@ -38,7 +38,8 @@ def consolidate(run_dir: Path, step: int | None) -> dict:
         model = GPT(gpt_cfg)
         sd = {k: v for k, v in model.state_dict().items()}
         state = {"model": sd}
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
         model.load_state_dict(state["model"])
         return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
                 "model_config": meta["model_config"], "config": meta["config"],

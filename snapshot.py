@@ -21,6 +21,7 @@ DCP, everything else from JSON.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -144,7 +145,9 @@ class SnapshotManager:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         self._barrier()
-        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not self.distributed)
+        with _quiet_single_process():
+            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not self.distributed)
+        _fault_point("save", step, self.rank)
         self._barrier()  # every rank's shards are on disk
         if self.rank == 0:
             files = {}
@@ -196,11 +199,33 @@ class SnapshotManager:
     def load(self, path: Path, tensors: dict) -> None:
         """Collective: fill `tensors` (a template with this rank's shapes/shardings) in place."""
         try:
-            dcp.load(tensors, checkpoint_id=str(path), no_dist=not self.distributed)
+            with _quiet_single_process():
+                dcp.load(tensors, checkpoint_id=str(path), no_dist=not self.distributed)
         except Exception as e:  # shapes or keys that do not fit this model
             raise UsageError(f"snapshot {path} does not fit this model/optimizer ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200]}); use the config it was trained with "
                              f"or another trainer.run_dir") from None
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every single-process save/load that it 'assumes' one process; here that is
+    the intent, so the warning is noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable")
+        yield
+
+
+def _fault_point(where: str, step: int, rank: int) -> None:
+    """Fault injection for the tests: MINGPT_FAULT=kill:save:STEP:RANK SIGKILLs that rank right
+    after it wrote its shards of snapshot STEP (the folder is still temporary), on the first
+    launch attempt only, so the restarted group can finish."""
+    spec = os.environ.get("MINGPT_FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    action, at, at_step, at_rank = spec.split(":")
+    if action == "kill" and at == where and int(at_step) == step and int(at_rank) == rank:
+        os.kill(os.getpid(), 9)
 
 
 def rng_state() -> dict[str, torch.Tensor]:

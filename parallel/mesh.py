@@ -60,9 +60,36 @@ def init_distributed(cfg: Config, timeout_s: float | None = None) -> DistEnv:
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MINGPT_PG_TIMEOUT", 600)))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout,
+        dist.init_process_group(backend=backend, timeout=timeout, store=_rendezvous_store(rank, world, timeout),
+                                rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def _rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The store the process group meets in, namespaced per torchrun restart attempt.
+
+    By default torchrun's workers share the agent's rendezvous TCPStore across restarts. After a
+    worker is killed, the keys that the previous attempt's process group wrote (each rank's gloo
+    address, barrier counters) are still there, and the restarted ranks may read them: about half
+    the restarts then fail with "Connection refused" or hang (pytorch#135712). Prefixing every key
+    with the restart attempt gives each attempt a clean namespace. On one node the attempt number
+    (TORCHELASTIC_RESTART_COUNT) is the same for every worker, since one agent restarts them all.
+    Across nodes each agent counts its own restarts, so there we keep torch's default and the
+    README asks for TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every rendezvous round a
+    fresh store of its own.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if agent_store:  # the agent hosts the store; every worker is a client
+        store = dist.TCPStore(host, port, world_size=world, is_master=False, timeout=timeout)
+    else:  # rank 0 hosts a store of its own (static launch, or a fresh store per round)
+        store = dist.TCPStore(host, port, world_size=world, is_master=rank == 0, timeout=timeout,
+                              multi_tenant=True)
+    single_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1
+    if agent_store and single_node:
+        return dist.PrefixStore(f"mingpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return store
 
 
 def shutdown() -> None:

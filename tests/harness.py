@@ -94,3 +94,19 @@ def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: i
         losses.append(float(s.reduce_mean(loss)))
     return {"losses": losses, "grads": grads, "memory": memory, "world": env.world_size,
             "num_params": s.num_params, "dp": s.dp_size}
+
+
+def worker_pids(parent_pid: int) -> list[int]:
+    """PIDs of the processes whose parent is `parent_pid` (torchrun's agent -> its workers)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # field 4 is the ppid; the command name (field 2) may contain spaces, so split after ')'
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid:
+            pids.append(int(d.name))
+    return pids

@@ -1,0 +1,186 @@
+"""Snapshots (issue 5): bit-exact resume, SIGKILL of a worker under torchrun --max-restarts at
+random moments and during a snapshot write, damaged snapshots, keep policy, resume rules."""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import REPO, TINY, child_env, multiprocess_lock, python, torchrun, worker_pids
+
+import main as app
+
+# The cosine schedule's length is fixed, so a run cut at step k and resumed with a larger
+# max_steps follows the same LR curve as the uninterrupted one.
+NO_SAMPLE = ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
+
+
+def model_tensors(run_dir: Path) -> dict:
+    return torch.load(run_dir / "model.pt", weights_only=True)["model"]
+
+
+def assert_bit_identical(a: Path, b: Path) -> None:
+    ta, tb = model_tensors(a), model_tensors(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), f"{k} differs: max {(ta[k] - tb[k]).abs().max().item():.3e}"
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    return [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(run_dir: Path, *extra: str) -> int:
+    return app.main(TINY + NO_SAMPLE + [f"trainer.run_dir={run_dir}", "parallel.strategy=none", *extra])
+
+
+def test_resume_is_bit_identical_and_keeps_newest(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert train(full, "trainer.max_steps=20", "trainer.save_every=5", "trainer.keep_snapshots=2") == 0
+    snaps = sorted(p.name for p in (full / "snapshots").iterdir())
+    assert snaps == ["step_0000015", "step_0000020"], snaps  # keep_snapshots=2, no temp folders
+    assert train(cut, "trainer.max_steps=10", "trainer.save_every=5") == 0
+    assert train(cut, "trainer.max_steps=20", "trainer.save_every=5") == 0  # more steps: a safe change
+    assert_bit_identical(full, cut)
+    assert metric_steps(cut) == metric_steps(full) == [5, 10, 15, 20]
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "no_meta", "bad_meta"])
+def test_damaged_newest_snapshot_is_skipped(tmp_path, damage, capsys):
+    run = tmp_path / "run"
+    assert train(run, "trainer.max_steps=10", "trainer.save_every=5") == 0
+    newest = run / "snapshots" / "step_0000010"
+    data_file = next(newest.glob("*.distcp"))
+    if damage == "flip_byte":
+        raw = bytearray(data_file.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data_file.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        data_file.write_bytes(data_file.read_bytes()[:-100])
+    elif damage == "no_meta":
+        (newest / "meta.json").unlink()
+    else:
+        (newest / "meta.json").write_text("{not json")
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="skipping snapshot .*step_0000010"):
+        assert train(run, "trainer.max_steps=12", "trainer.save_every=5") == 0
+    out = capsys.readouterr()
+    assert "resumed from" in out.out and "step_0000005 at step 5" in out.out
+
+
+def test_resume_rules(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(run, "trainer.max_steps=5", "trainer.save_every=5") == 0
+    before = {p: p.read_bytes() for p in (run / "snapshots").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    # another model shape: refused, one line, snapshot untouched
+    assert train(run, "trainer.max_steps=10", "model.n_layer=2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "different model shape" in err[0]
+    # resume=never on a folder with snapshots: refused
+    assert train(run, "trainer.max_steps=10", "trainer.resume=never") == 2
+    assert "trainer.resume=never" in capsys.readouterr().err
+    # resume=require on an empty folder: refused
+    assert train(tmp_path / "empty", "trainer.resume=require") == 2
+    assert "holds no valid snapshot" in capsys.readouterr().err
+    after = {p: p.read_bytes() for p in (run / "snapshots").rglob("*") if p.is_file()}
+    assert before == after
+
+
+def test_export_and_sample_from_snapshot(tmp_path):
+    run = tmp_path / "run"
+    assert train(run, "trainer.max_steps=5", "trainer.save_every=5") == 0
+    reference = model_tensors(run)
+    (run / "model.pt").unlink()
+    r = python(["export.py", "--run-dir", str(run), "--step", "5"])
+    assert r.returncode == 0, r.stderr
+    for k, v in model_tensors(run).items():
+        assert torch.equal(v, reference[k]), k
+    r = python(["sample.py", "--run-dir", str(run), "--snapshot", "--prompt", "ROMEO:", "--tokens", "20"])
+    assert r.returncode == 0 and r.stdout.startswith("ROMEO:"), r.stderr
+
+
+# ----------------------------------------------------------------------------- elastic restarts
+
+ELASTIC = TINY + NO_SAMPLE + [
+    "parallel.strategy=ddp", "model.n_embd=64", "trainer.max_steps=120", "trainer.save_every=10",
+    "trainer.log_every=10", "trainer.eval_every=40",
+]
+
+
+def launch_and_kill(run_dir: Path, kills: int, extra: list[str] = (), env: dict | None = None,
+                    max_restarts: int = 5, seed: int = 0) -> tuple[int, str]:
+    """torchrun --max-restarts with 2 ddp workers; SIGKILL a random worker `kills` times, each at a
+    random moment once that attempt is training. Returns (exit code, output)."""
+    rnd = random.Random(seed)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "main.py",
+           *ELASTIC, f"trainer.run_dir={run_dir}", *extra]
+    lines: list[str] = []
+    with multiprocess_lock():
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        try:
+            for k in range(kills):
+                # wait until this attempt trains (a progress line after the last start-up line)
+                deadline = time.time() + 120
+                seen = len(lines)
+                while time.time() < deadline and proc.poll() is None:
+                    new = lines[seen:]
+                    if any(l.startswith("step ") for l in new):
+                        break
+                    time.sleep(0.05)
+                time.sleep(rnd.uniform(0.0, 1.5))  # a random moment: mid-step, mid-save, mid-eval
+                pids = worker_pids(proc.pid)
+                if proc.poll() is not None or not pids:
+                    break
+                victim = rnd.choice(pids)
+                try:
+                    import os
+                    os.kill(victim, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                lines.append(f"[test] killed worker pid {victim} (kill {k + 1}/{kills})\n")
+            rc = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        reader.join(timeout=10)
+    return rc, "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("elastic") / "uninterrupted"
+    r = torchrun(2, ["main.py", *ELASTIC, f"trainer.run_dir={run}"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return run
+
+
+def test_sigkill_at_random_moments_restarts_and_matches(uninterrupted, tmp_path):
+    run = tmp_path / "killed"
+    rc, out = launch_and_kill(run, kills=3, seed=int(time.time()))
+    assert rc == 0, out[-4000:]
+    assert out.count("[test] killed worker") == 3, out[-4000:]
+    assert_bit_identical(uninterrupted, run)
+    steps = metric_steps(run)
+    assert steps == sorted(set(steps)) == metric_steps(uninterrupted), steps
+
+
+def test_kill_during_snapshot_write_keeps_previous(uninterrupted, tmp_path):
+    run = tmp_path / "killed-in-save"
+    rc, out = launch_and_kill(run, kills=0, max_restarts=1, env={"MINGPT_FAULT": "kill:save:60:1"})
+    assert rc == 0, out[-4000:]
+    assert "resumed from" in out and "step_0000050 at step 50" in out, out[-4000:]
+    assert not list((run / "snapshots").glob(".tmp-*"))
+    assert_bit_identical(uninterrupted, run)
