@@ -271,6 +271,13 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"data.val_fraction must be between 0 and 1, got {d.val_fraction}")
     if not d.path:
         raise UsageError("data.path is empty; give a text file or an http(s) URL")
+    if d.sha256 and not (len(d.sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in d.sha256)):
+        raise UsageError(f"data.sha256='{d.sha256[:70]}' is not a sha256 (64 hex digits); fix it or "
+                         f"set it to '' to skip the check")
+    cache = Path(d.cache_dir).expanduser()
+    if not d.cache_dir or (cache.exists() and not cache.is_dir()):
+        raise UsageError(f"data.cache_dir='{d.cache_dir}' is not a folder; point it at a folder for "
+                         f"downloaded corpora")
     for k in ("n_layer", "n_head", "n_embd", "block_size"):
         _positive(f"model.{k}", getattr(m, k))
     if m.n_embd % m.n_head:

@@ -235,6 +235,8 @@ class Trainer:
             if (t.save_every and self.step % t.save_every == 0) or last:
                 self.save_snapshot()
         progress.close()
+        if self.last_val_loss is None:  # resumed at max_steps: nothing trained, still report it
+            self.last_val_loss = self.evaluate()
         med = sorted(step_times)[len(step_times) // 2] if step_times else 0.0
         return {"final_step": self.step, "val_loss": self.last_val_loss,
                 "median_step_ms": 1000 * med, "tokens_per_sec": tokens_per_sec}

@@ -1,0 +1,189 @@
+"""config.py + main.py's error path (issue 2, parts 4-5 and "Bad input"): the YAML equals the
+dataclass defaults and comments every key, dotted overrides are typed, and every bad input is
+one line on stderr, exit code 2, no traceback, with an existing snapshot left as it was.
+
+Most bad inputs run in-process through `main.main([...])` (milliseconds each); two go through a
+real `python main.py` to prove the subprocess contract (no traceback, exit status 2). The keys of
+parallel.* that belong to one strategy and wandb.* are tested next to their code
+(tests/test_parallel_*.py, tests/test_tracking.py)."""
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import main as app
+from config import Config, load_config
+from harness import REPO, TINY, python
+
+YAML_PATH = REPO / "gpt2_train_cfg.yaml"
+
+
+def test_yaml_equals_dataclass_defaults_and_comments_every_key():
+    from_yaml = yaml.safe_load(YAML_PATH.read_text(encoding="utf-8"))
+    defaults = Config().to_dict()
+    assert from_yaml.keys() == defaults.keys()
+    for section, body in defaults.items():
+        assert from_yaml[section].keys() == body.keys(), section
+        for key, value in body.items():
+            got = from_yaml[section][key]
+            got = got if got is not None else ""
+            assert got == value or (isinstance(value, float) and float(got) == value), \
+                f"{section}.{key}: yaml {got!r} != dataclass {value!r}"
+    # and loading the file changes nothing
+    assert load_config(str(YAML_PATH)).to_dict() == defaults
+    section = None
+    uncommented = []
+    for line in YAML_PATH.read_text(encoding="utf-8").splitlines():
+        if m := re.match(r"^(\w+):\s*(#.*)?$", line):
+            section = m.group(1)
+        elif m := re.match(r"^  (\w+):", line):
+            if not re.search(r"\s#\s*\S", line):
+                uncommented.append(f"{section}.{m.group(1)}")
+    assert not uncommented, f"keys without a comment in {YAML_PATH.name}: {uncommented}"
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(str(YAML_PATH), [
+        "trainer.max_steps=7", "optimizer.lr=3e-4", "optimizer.min_lr=1e-5", "model.bias=false",
+        "trainer.max_epochs=2", "wandb.tags=a,b", "data.path=123", "data.sha256=", "model.dropout=0.1",
+        "trainer.batch_size=24.0"])
+    assert cfg.trainer.max_steps == 7 and type(cfg.trainer.max_steps) is int
+    assert cfg.optimizer.lr == 3e-4 and type(cfg.optimizer.lr) is float  # YAML 1.1 reads "3e-4" as str
+    assert cfg.model.bias is False and cfg.trainer.max_epochs == 2.0 and type(cfg.trainer.max_epochs) is float
+    assert cfg.wandb.tags == ["a", "b"] and cfg.data.path == "123" and cfg.data.sha256 == ""
+    assert cfg.trainer.batch_size == 24 and type(cfg.trainer.batch_size) is int
+    # a later override wins; the other sections keep the file's values
+    assert load_config(None, ["trainer.seed=1", "trainer.seed=2"]).trainer.seed == 2
+    assert cfg.model.n_layer == Config().model.n_layer
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory):
+    """A run folder holding a snapshot, which no bad input may touch; plus bad input files."""
+    root = tmp_path_factory.mktemp("bad-input")
+    run = root / "run"
+    assert app.main(TINY + ["parallel.strategy=none", "trainer.max_steps=2", "trainer.save_every=2",
+                            "trainer.sample_tokens=0", f"trainer.run_dir={run}"]) == 0
+    assert (run / "snapshots" / "step_0000002" / "meta.json").is_file()
+    (root / "empty.txt").write_text("   \n")
+    (root / "latin1.txt").write_bytes("Roméo et Juliette\n".encode("latin-1") * 100)
+    (root / "short.txt").write_text("First Citizen:\n")
+    (root / "bad.yaml").write_text("trainer:\n  max_steps: [1, 2\n")
+    (root / "list.yaml").write_text("- a\n- b\n")
+    (root / "a_file").write_text("not a folder")
+    return root, run, digests(run)
+
+
+# (overrides, words the one-line message must contain). "{root}" is the fixture's folder.
+BAD_INPUTS = {
+    # the issue's list
+    "missing data file": (["data.path={root}/nope.txt"], "does not exist"),
+    "data path is a folder": (["data.path={root}"], "is a folder"),
+    "empty data file": (["data.path={root}/empty.txt"], "is empty"),
+    "non-UTF-8 data file": (["data.path={root}/latin1.txt"], "is not UTF-8"),
+    "corpus shorter than a block": (["data.path={root}/short.txt"], "too short for model.block_size"),
+    "malformed YAML": (["--config", "{root}/bad.yaml"], "is not valid YAML at line"),
+    "YAML not a mapping": (["--config", "{root}/list.yaml"], "must be a mapping"),
+    "missing config file": (["--config", "{root}/none.yaml"], "not found"),
+    "unknown key": (["trainer.max_step=5"], "did you mean 'trainer.max_steps'"),
+    "unknown section": (["trainr.max_steps=5"], "did you mean 'trainer'"),
+    "not section.key": (["max_steps=5"], "must look like section.key"),
+    "override without =": (["trainer.max_steps"], "must look like section.key=value"),
+    "wrong type int": (["trainer.max_steps=many"], "must be an integer"),
+    "wrong type float": (["optimizer.lr=fast"], "must be a number"),
+    "wrong type bool": (["model.bias=maybe"], "must be true or false"),
+    "wrong type str": (["data.tokenizer=[a]"], "must be a string"),
+    "n_embd % n_head": (["model.n_embd=30", "model.n_head=4"], "not divisible by model.n_head"),
+    "micro batch does not divide": (["trainer.batch_size=8", "trainer.micro_batch_size=3"],
+                                    "does not divide the per-rank batch"),
+    "run_dir is a file": (["trainer.run_dir={root}/a_file"], "is a file"),
+    # every other validated key of data/model/trainer/optimizer and the layout-wide parallel keys
+    "tokenizer": (["data.tokenizer=bpe"], "not one of char, gpt2"),
+    "sha256": (["data.sha256=abc"], "data.sha256"),
+    "cache_dir a file": (["data.cache_dir={root}/a_file"], "data.cache_dir"),
+    "cache_dir empty": (["data.cache_dir="], "data.cache_dir"),
+    "truncate": (["data.truncate=-1"], "data.truncate must be >= 0"),
+    "val_fraction": (["data.val_fraction=1.5"], "between 0 and 1"),
+    "empty path": (["data.path="], "data.path is empty"),
+    "n_layer": (["model.n_layer=0"], "model.n_layer must be > 0"),
+    "n_head": (["model.n_head=0"], "model.n_head must be > 0"),
+    "block_size": (["model.block_size=-4"], "model.block_size must be > 0"),
+    "dropout": (["model.dropout=1.0"], "model.dropout must be in [0, 1)"),
+    "max_steps": (["trainer.max_steps=0"], "trainer.max_steps must be > 0"),
+    "max_epochs": (["trainer.max_epochs=-1"], "trainer.max_epochs must be >= 0"),
+    "batch_size": (["trainer.batch_size=0"], "trainer.batch_size must be > 0"),
+    "micro_batch_size": (["trainer.micro_batch_size=-2"], "trainer.micro_batch_size must be >= 0"),
+    "eval_every": (["trainer.eval_every=0"], "trainer.eval_every must be > 0"),
+    "eval_batches": (["trainer.eval_batches=0"], "trainer.eval_batches must be > 0"),
+    "log_every": (["trainer.log_every=0"], "trainer.log_every must be > 0"),
+    "keep_snapshots": (["trainer.keep_snapshots=0"], "trainer.keep_snapshots must be > 0"),
+    "save_every": (["trainer.save_every=-1"], "trainer.save_every must be >= 0"),
+    "sample_tokens": (["trainer.sample_tokens=-1"], "trainer.sample_tokens must be >= 0"),
+    "grad_clip": (["trainer.grad_clip=-1"], "trainer.grad_clip must be >= 0"),
+    "peak_flops": (["trainer.peak_flops=-1"], "trainer.peak_flops must be >= 0"),
+    "resume": (["trainer.resume=maybe"], "not one of auto, never, require"),
+    "precision": (["trainer.precision=fp8"], "not one of fp32, bf16, fp16"),
+    "device": (["trainer.device=tpu"], "not one of auto, cpu, cuda"),
+    "cuda without a GPU": (["trainer.device=cuda"], "no CUDA device"),
+    "empty run_dir": (["trainer.run_dir="], "trainer.run_dir is empty"),
+    "compile": (["trainer.compile=2"], "must be true or false"),
+    "lr": (["optimizer.lr=0"], "optimizer.lr must be > 0"),
+    "min_lr above lr": (["optimizer.min_lr=0.1"], "is above optimizer.lr"),
+    "min_lr": (["optimizer.min_lr=-1e-4"], "optimizer.min_lr must be >= 0"),
+    "warmup_steps": (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps must be >= 0"),
+    "lr_decay_steps": (["optimizer.lr_decay_steps=-1"], "optimizer.lr_decay_steps must be >= 0"),
+    "weight_decay": (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
+    "beta1": (["optimizer.beta1=1.0"], "optimizer.beta1 must be in [0, 1)"),
+    "beta2": (["optimizer.beta2=-0.1"], "optimizer.beta2 must be in [0, 1)"),
+    "strategy": (["parallel.strategy=fsdp2"], "did you mean 'fsdp'"),
+    "tp": (["parallel.tp=0"], "parallel.tp must be > 0"),
+    "pp": (["parallel.pp=0"], "parallel.pp must be > 0"),
+    "n_head % tp": (["parallel.tp=3"], "not divisible by parallel.tp=3"),
+    "world size vs tp": (["parallel.tp=2"], "world size 1 is not divisible"),
+    "strategy-only option": (["parallel.strategy=none", "parallel.zero_stage=2"], "only applies to"),
+    "pp-only option": (["parallel.pp_schedule=gpipe"], "only applies with parallel.pp > 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2_and_touches_no_snapshot(case, existing_run, capsys):
+    root, run, before = existing_run
+    overrides, words = BAD_INPUTS[case]
+    args = [a.format(root=root) for a in overrides]
+    capsys.readouterr()
+    # max_steps=1: a case that wrongly passed validation would resume at step 2 and train nothing
+    rc = app.main(TINY + ["trainer.max_steps=1", "trainer.sample_tokens=0", f"trainer.run_dir={run}"]
+                  + args)  # the case's own overrides come last and win; argparse takes --config anywhere
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 2, f"{case}: exit {rc}, stderr {err!r}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"{case}: {err!r}"
+    assert words in lines[0], f"{case}: {lines[0]!r} lacks {words!r}"
+    assert digests(run) == before, f"{case} changed the existing run folder"
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["--config", "{root}/bad.yaml"], "is not valid YAML"),
+    (["data.path={root}/latin1.txt"], "is not UTF-8"),
+])
+def test_bad_input_through_python_main_py(overrides, words, existing_run):
+    root, run, before = existing_run
+    args = [a.format(root=root) for a in overrides]
+    r = python(["main.py", *TINY, f"trainer.run_dir={run}", *args], timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert digests(run) == before
+
