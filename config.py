@@ -346,6 +346,14 @@ def _check_options_belong(p: ParallelConfig) -> None:
         if getattr(p, key) != getattr(defaults, key) and p.strategy not in owners:
             raise UsageError(f"parallel.{key} only applies to parallel.strategy="
                              f"{' or '.join(owners)}, not '{p.strategy}'; remove it or change strategy")
+    # Within zero, the DDP options mean something only where DDP or buckets are used: stage 1
+    # wraps DDP, stage 2 buckets its reduce-scatter, stage 3 is FSDP2 (no buckets).
+    zero_stages = {"bucket_cap_mb": (1, 2), "gradient_as_bucket_view": (1,), "static_graph": (1,)}
+    if p.strategy == "zero":
+        for key, stages in zero_stages.items():
+            if getattr(p, key) != getattr(defaults, key) and p.zero_stage not in stages:
+                raise UsageError(f"parallel.{key} only applies to parallel.zero_stage="
+                                 f"{' or '.join(map(str, stages))}, not {p.zero_stage}; remove it")
     pp_only = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")
     if p.pp == 1:
         for key in pp_only:

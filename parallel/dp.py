@@ -1,0 +1,52 @@
+"""parallel.strategy=dp: torch's nn.DataParallel, one process driving every visible GPU.
+
+Each forward scatters the (micro-)batch along dim 0 over the GPUs, replicates the module onto
+each of them, runs the replicas in threads and gathers the logits on the first GPU, where the
+loss is computed; backward sums the replicas' gradients into the first GPU's parameters. Memory
+on the first GPU is that of plain training plus the gathered outputs; the replicas are rebuilt on
+every forward (which is why DDP, one process per GPU, is faster).
+
+It is a single-process strategy: under torchrun with more than one process it refuses (use ddp).
+With fewer than two GPUs it runs as plain one-process training and says so once. The Trainer
+only sees the inner module through `unwrapped()`, so snapshots and model.pt use the GPT's own
+parameter names ("blocks.0.attn.q_proj.weight", not "module.blocks...").
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from config import UsageError
+from parallel import Strategy
+
+
+class DataParallelStrategy(Strategy):
+    name = "dp"
+
+    def validate_layout(self) -> None:
+        if self.env.world_size > 1:
+            raise UsageError(f"parallel.strategy=dp drives all GPUs from ONE process but this launch has "
+                             f"{self.env.world_size} processes; run `python main.py parallel.strategy=dp` "
+                             f"or use parallel.strategy=ddp under torchrun")
+        super().validate_layout()
+
+    @property
+    def gpu_ids(self) -> list[int]:
+        return list(range(torch.cuda.device_count())) if self.device.type == "cuda" else []
+
+    def describe(self) -> str:
+        ids = self.gpu_ids
+        if len(ids) < 2:
+            return f"dp (one device, {self.device}: plain one-process training)"
+        return f"dp (nn.DataParallel over GPUs {','.join(map(str, ids))})"
+
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        ids = self.gpu_ids
+        if len(ids) < 2:
+            warnings.warn(f"parallel.strategy=dp found {len(ids)} GPU(s): training as one process on "
+                          f"{self.device} (nn.DataParallel needs 2+ GPUs to split the batch)", stacklevel=2)
+            return model
+        # The parameters must live on device_ids[0] = the current device (pick_device set it).
+        return nn.DataParallel(model, device_ids=ids, output_device=ids[0])

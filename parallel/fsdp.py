@@ -1,0 +1,109 @@
+"""parallel.strategy=fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) over the mesh's `dp` dimension.
+
+`fully_shard` is applied to every transformer block and then to the root module (which keeps the
+embeddings, final LayerNorm and LM head: the tied embedding/head matrix is one parameter, owned by
+the root group once). Each parameter is stored as a DTensor sharded on dim 0 over the dp ranks, so
+a rank holds 1/n of parameters, gradients and AdamW state: 16a/n bytes for fp32 Adam with a
+parameters (plus padding: dim 0 is split with torch.chunk, so up to one dim-0 row per tensor).
+Forward and backward all-gather one block's parameters just in time; backward reduce-scatters its
+gradients (communication 3 x K(n-1)/n per step for K bytes of parameters, vs 2x for DDP).
+
+Options (all `parallel.`):
+- reshard_after_forward: free a block's gathered parameters after its forward (ZeRO-3) or keep
+  them until backward (no second all-gather; memory between ZeRO-2 and ZeRO-3).
+- mixed_precision (none|bf16|fp16) + reduce_dtype: FSDP2's MixedPrecisionPolicy. Sharded fp32
+  parameters stay the master weights; forward/backward run on gathered low-precision copies.
+- cpu_offload: CPUOffloadPolicy, sharded parameters/gradients/optimizer state live in CPU memory
+  (pin_memory only with an accelerator: pinning needs one).
+
+Gradient accumulation: non-final micro-batches run with `set_requires_gradient_sync(False)`, so
+gradients accumulate unsharded locally and are reduce-scattered once per optimizer step.
+With tp > 1 the parameters arriving here are already DTensors on the tp mesh: sharding them over
+the dp sub-mesh is FSDP2's documented 2-D composition. With one dp rank there is nothing to shard
+and the module is left as it is.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from parallel import DTYPES, Strategy
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+
+    def __init__(self, *args, **kwargs):
+        self._fsdp_roots: list[nn.Module] = []  # one per wrapped module (one per pipeline stage)
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ options
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.cfg.parallel.reshard_after_forward
+
+    def mp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        p = self.cfg.parallel
+        param_dtype = DTYPES[p.mixed_precision] if p.mixed_precision != "none" else None
+        # reduce_dtype=None would reduce in param_dtype; fp32 reduction is the safe default.
+        reduce_dtype = DTYPES[p.reduce_dtype] if (param_dtype is not None or p.reduce_dtype != "fp32") else None
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    def offload_policy(self):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+        if not self.cfg.parallel.cpu_offload:
+            return OffloadPolicy()
+        # Pinned host memory needs an accelerator; on a CPU-only machine pinning raises.
+        return CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+
+    def describe(self) -> str:
+        if self.dp_size == 1:
+            return f"{self.name} (one data-parallel rank: nothing to shard)"
+        p = self.cfg.parallel
+        extras = [f"params {p.mixed_precision}, reduce {p.reduce_dtype}"] if p.mixed_precision != "none" else []
+        extras += ["cpu offload"] if p.cpu_offload else []
+        return (f"{self.name} (FSDP2 per block + root, reshard after forward "
+                f"{'on' if self.reshard_after_forward else 'off'}{''.join(', ' + e for e in extras)})")
+
+    # ------------------------------------------------------------------ wrapping
+
+    def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
+        """fully_shard each transformer block of `module` (a GPT or one pipeline stage), then the
+        module itself for what is left (embeddings, ln_f, head)."""
+        if self.dp_size == 1:
+            return module
+        from torch.distributed.fsdp import fully_shard
+        kwargs = dict(mesh=self.mesh["dp"], reshard_after_forward=self.reshard_after_forward,
+                      mp_policy=self.mp_policy(), offload_policy=self.offload_policy())
+        blocks = getattr(module, "blocks", None)
+        for block in (blocks.values() if blocks is not None else ()):
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+        self._fsdp_roots.append(module)
+        return module
+
+    def no_sync(self, skip_sync: bool):
+        # FSDP2 has no no_sync() context: the flag is set before each micro-batch's backward.
+        for root in self._fsdp_roots:
+            root.set_requires_gradient_sync(not skip_sync)
+        return contextlib.nullcontext()
+
+    def make_grad_scaler(self):
+        """fp16 loss scaling whose inf/nan check is all-reduced over the dp group, so every rank
+        skips the same steps (each rank only sees its own gradient shard)."""
+        p = self.cfg.parallel
+        if self.cfg.trainer.precision != "fp16" and p.mixed_precision != "fp16":
+            return None
+        if self.dp_size == 1:
+            return torch.amp.GradScaler(self.device.type)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(self.device.type, process_group=self.mesh["dp"].get_group())
+
+    # clip_grad_norm_, full_grad_dict, state_dict/load_state_dict, full_model_state_dict and
+    # resident_bytes come from the base class: they already handle DTensor parameters and
+    # gradients (norm and full_tensor() reduce over the mesh, DCP's get_state_dict gives
+    # plain-FQN DTensor state, resident bytes read each DTensor's local shard).
