@@ -114,13 +114,13 @@ class ParallelConfig:
 @dataclass
 class WandbConfig:
     enabled: bool = True
-    mode: str = ""  # online | offline | disabled ("" = online if WANDB_API_KEY is set, else offline)
+    mode: str = ""  # online | offline | disabled ("" = $WANDB_MODE, else online iff WANDB_API_KEY is set)
     project: str = "mingpt-parallel"
     entity: str = ""
     name: str = ""
     group: str = ""
     tags: list[str] = field(default_factory=list)
-    dir: str = ""  # "" = inside run_dir
+    dir: str = ""  # parent of wandb's wandb/ folder ("" = run_dir)
 
 
 @dataclass
@@ -323,7 +323,32 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
                          f"attention heads are split across tensor-parallel ranks")
     _check_options_belong(p)
-    _choice("wandb.mode", w.mode, ("", "online", "offline", "disabled"))
+    _validate_wandb(w)
+
+
+def _validate_wandb(w: WandbConfig) -> None:
+    """wandb's own limits (wandb 0.31 Settings), checked before any training instead of inside
+    wandb.init, where a failure would only turn wandb off with a warning."""
+    if w.mode not in ("", "online", "offline", "disabled"):
+        modes = ("online", "offline", "disabled")
+        raise UsageError(f"wandb.mode='{w.mode}' is not one of online, offline, disabled or \"\" "
+                         f"(automatic: online when WANDB_API_KEY is set){_suggest(w.mode, modes)}")
+    for key in ("project", "entity"):
+        value = getattr(w, key)
+        if any(c in "/\\#?%:" for c in value) or len(value) > 128:
+            raise UsageError(f"wandb.{key}='{value[:40]}' must be at most 128 characters, none of "
+                             f"/ \\ # ? % :; rename it")
+    if not w.project and w.enabled and w.mode != "disabled":
+        raise UsageError("wandb.project is empty; name a project (or set wandb.enabled=false)")
+    for key in ("name", "group"):
+        value = getattr(w, key)
+        if "\n" in value or len(value) > 128:
+            raise UsageError(f"wandb.{key} must be one line of at most 128 characters; shorten it")
+    for tag in w.tags:
+        if not 1 <= len(tag) <= 64:
+            raise UsageError(f"wandb.tags entry '{tag[:70]}' must be 1 to 64 characters; shorten it")
+    if w.dir and Path(w.dir).expanduser().exists() and not Path(w.dir).expanduser().is_dir():
+        raise UsageError(f"wandb.dir '{w.dir}' is a file; point it at a folder (or leave it empty)")
 
 
 # Options that only mean something for some strategies: setting them elsewhere is a mistake the

@@ -3,36 +3,78 @@
 Exactly one process (the Strategy's `is_tracker` rank, which holds the reduced loss) builds a
 `RunTracker`; every other rank gets a `NullTracker` and never imports wandb.
 
-Resume rule (the same for metrics.jsonl and wandb): a restarted run resumes from snapshot step s
-and recomputes steps s+1.. that the crashed run may already have logged.
+One training run = one wandb run. Its id is made here before `wandb.init` (so it exists even
+when wandb is off or broken), stored in every snapshot (`Trainer.state_meta()["tracker_run_id"]`)
+and in `<run_dir>/tracker.json` together with the last step that went to wandb.
+
+Resume rule: a restarted run resumes from snapshot step s and recomputes steps s+1.. that the
+crashed launch may already have logged.
 - metrics.jsonl is rewritten without rows past s, so the file is exactly the history of the
   training that survives (on CPU/fp32 the recomputed rows are bit-identical anyway).
-- wandb cannot delete logged history, and rejects steps below its current step, so the tracker
-  logs only steps greater than the last one it logged (kept in the snapshot and in
-  `<run_dir>/tracker.json`), continuing the same wandb run id with resume="allow".
+- wandb cannot delete logged history and drops steps below its current step, so the tracker
+  continues the same run id with resume="allow" and logs only steps greater than the last one
+  the run holds (tracker.json; online, also `run.step` reported by the server).
+An elastic restart (TORCHELASTIC_RESTART_COUNT > 0) before the first snapshot restarts at step 0
+and is still the same run; a manual launch without a snapshot is a new run.
 
 wandb failures (no network, bad key, service down) never stop training: one warning line, then
-wandb is off for the rest of the run while metrics.jsonl goes on. No API key is ever written.
+wandb is off for the rest of the launch while metrics.jsonl goes on. The API key is never printed
+or written: wandb reads it from the environment itself, and warning texts are redacted.
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import string
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Callable, TextIO
 
 from config import Config
 
 TRACKER_FILE = "tracker.json"
+METRICS_FILE = "metrics.jsonl"
+_ID_CHARS = string.ascii_lowercase + string.digits
+
+
+def new_run_id() -> str:
+    """8 base-36 characters, the shape of wandb's own run ids (~2.8e12 of them)."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(8))
+
+
+def wandb_mode(cfg: Config) -> str:
+    """wandb.enabled=false or mode=disabled -> disabled; else wandb.mode; else $WANDB_MODE; else
+    online when WANDB_API_KEY is set and offline when not (never a login prompt)."""
+    w = cfg.wandb
+    if not w.enabled:
+        return "disabled"
+    return w.mode or os.environ.get("WANDB_MODE") or (
+        "online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
+def wandb_timeout() -> float:
+    """Seconds wandb may block in init and in finish (uploads left over go to `wandb sync`)."""
+    return float(os.environ.get("MINGPT_WANDB_TIMEOUT", 60))
+
+
+def is_elastic_restart() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _redact(text: str) -> str:
+    key = os.environ.get("WANDB_API_KEY")
+    return text.replace(key, "***") if key else text
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -45,15 +87,15 @@ def truncate_metrics(path: Path, last_step: int) -> None:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("step", 0) <= last_step:
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
             keep.append(line)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(l + "\n" for l in keep), encoding="utf-8")
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
     os.replace(tmp, path)
 
 
 class NullTracker:
-    """What non-tracker ranks hold: every call is a no-op."""
+    """What non-tracker ranks hold (and the Trainer's default): every call is a no-op."""
     run_id: str | None = None
     last_logged_step = -1
 
@@ -64,76 +106,71 @@ class NullTracker:
 
 
 class RunTracker(NullTracker):
+    """metrics.jsonl always; wandb when its mode is not disabled and it works."""
+
     def __init__(self, cfg: Config, run_dir: Path, resume_step: int | None = None,
-                 resume_run_id: str | None = None, resume_last_logged: int = -1):
+                 resume_run_id: str | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
-        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_path = run_dir / METRICS_FILE
         self.state_path = run_dir / TRACKER_FILE
+        run_dir.mkdir(parents=True, exist_ok=True)
         prior = _read_json(self.state_path)
-        if resume_step is None:  # a fresh start: the folder's history is not ours
+        if resume_step is None and not is_elastic_restart():
+            # a fresh start: whatever history this folder holds belongs to an older run
             self.metrics_path.unlink(missing_ok=True)
             prior = {}
         else:
-            truncate_metrics(self.metrics_path, resume_step)
-        # The wandb id: from the snapshot, else from this run folder (a crash before the first
-        # snapshot restarts at step 0 but is still the same run), else a new one.
-        self.run_id = resume_run_id or prior.get("run_id")
-        self.last_logged_step = max(resume_last_logged, int(prior.get("last_logged_step", -1)))
+            truncate_metrics(self.metrics_path, resume_step or 0)
+        self.run_id = resume_run_id or prior.get("run_id") or new_run_id()
+        # the last step this wandb run holds; only trusted when tracker.json speaks of this run
+        self.last_logged_step = -1
+        if prior.get("run_id") == self.run_id:
+            self.last_logged_step = int(prior.get("last_logged_step", -1))
+        self.mode = wandb_mode(cfg)
         self._wandb = None
+        self._logged_this_launch = False
         self._init_wandb()
         self._save_state()
 
     # ------------------------------------------------------------------ wandb
 
-    def _mode(self) -> str:
-        w = self.cfg.wandb
-        if not w.enabled:
-            return "disabled"
-        if w.mode:
-            return w.mode
-        env = os.environ.get("WANDB_MODE")
-        if env:
-            return env
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-
     def _warn(self, what: str, err: BaseException) -> None:
-        msg = str(err).splitlines()[0][:160] if str(err) else ""
-        warnings.warn(f"wandb {what} failed ({type(err).__name__}: {msg}); training goes on, "
-                      f"metrics stay in {self.metrics_path}", stacklevel=3)
+        first = str(err).splitlines()[0][:160] if str(err).strip() else ""
+        warnings.warn(_redact(f"wandb {what} failed ({type(err).__name__}: {first}); training goes "
+                              f"on without wandb, metrics stay in {self.metrics_path}"), stacklevel=3)
 
     def _init_wandb(self) -> None:
-        mode = self._mode()
-        if mode == "disabled":
+        if self.mode == "disabled":
             return
         w = self.cfg.wandb
         try:
             import wandb
-            if self.run_id is None:
-                self.run_id = wandb.util.generate_id()
-            wdir = Path(w.dir or self.run_dir)
+            wdir = Path(w.dir).expanduser() if w.dir else self.run_dir
             wdir.mkdir(parents=True, exist_ok=True)
             self._wandb = wandb.init(
                 project=w.project, entity=w.entity or None, name=w.name or self.run_dir.name,
-                group=w.group or None, tags=list(w.tags) or None, dir=str(wdir), mode=mode,
-                id=self.run_id, resume="allow", config=self.cfg.to_dict(),
-                settings=wandb.Settings(init_timeout=float(os.environ.get("MINGPT_WANDB_TIMEOUT", 60)),
+                group=w.group or None, tags=list(w.tags) or None, dir=str(wdir), mode=self.mode,
+                id=self.run_id, resume="allow", config=self.cfg.to_dict(), allow_val_change=True,
+                settings=wandb.Settings(init_timeout=wandb_timeout(), finish_timeout=wandb_timeout(),
                                         console="off", silent=True),
             )
-            # online: wandb knows the last step it holds (its next step is run.step)
-            self.last_logged_step = max(self.last_logged_step, int(getattr(self._wandb, "step", 0)) - 1)
+            # online resume: the server knows the last step it holds (the next one is run.step)
+            self.last_logged_step = max(self.last_logged_step, int(self._wandb.step) - 1)
         except Exception as e:  # no network, bad key, service down, wandb missing pieces
             self._warn("init", e)
             self._wandb = None
 
-    def _wandb_call(self, what: str, fn) -> None:
+    def _wandb_call(self, what: str, fn: Callable[[], None]) -> bool:
         if self._wandb is None:
-            return
+            return False
         try:
             fn()
+            return True
         except Exception as e:
             self._warn(what, e)
             self._wandb = None
+            return False
 
     # ------------------------------------------------------------------ logging
 
@@ -143,20 +180,24 @@ class RunTracker(NullTracker):
         os.replace(tmp, self.state_path)
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **metrics}
+        """One row: to metrics.jsonl always, to wandb only if the wandb run lacks this step."""
         with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        if step > self.last_logged_step:
-            self._wandb_call("log", lambda: self._wandb.log(metrics, step=step))
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if step > self.last_logged_step and self._wandb_call(
+                "log", lambda: self._wandb.log(metrics, step=step)):
             self.last_logged_step = step
+            self._logged_this_launch = True
             self._save_state()
 
     def log_text(self, key: str, text: str) -> None:
+        """A text (the final sample): an HTML panel in the last row, and the raw text in the summary."""
         def go():
             import wandb
-            self._wandb.log({key: wandb.Html(f"<pre>{_html_escape(text)}</pre>")},
-                            step=max(self.last_logged_step, 0))
-            self._wandb.summary[key] = text
+            panel = {key: wandb.Html(f"<pre>{_html_escape(text)}</pre>")}
+            # join this launch's last row; with none logged let wandb pick its next step
+            step = self.last_logged_step if self._logged_this_launch else None
+            self._wandb.log(panel, step=step)
+            self._wandb.summary[f"{key}_text"] = text
         self._wandb_call("log", go)
 
     def summary(self, metrics: dict) -> None:
@@ -175,22 +216,24 @@ def _html_escape(s: str) -> str:
 
 
 class Progress:
-    """A live tqdm bar on a terminal; plain periodic lines otherwise (CI logs, files)."""
+    """What the one tracker process shows while training: a live tqdm bar (step/total, ETA, rate,
+    and a postfix with loss, lr, tokens/s, MFU) when `stream` is a terminal, else one plain line
+    per log step (CI logs and files get no carriage-return noise)."""
 
-    def __init__(self, total: int, start: int, enabled: bool, stream=None):
+    def __init__(self, total: int, start: int, enabled: bool, stream: TextIO | None = None):
         self.enabled = enabled
         self.stream = stream or sys.stderr
         self.total = total
-        self.bar = None
-        self.t0 = time.perf_counter()
         self.start = start
+        self.t0 = time.perf_counter()
+        self.bar = None
         if enabled and self.stream.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=start, file=self.stream, dynamic_ncols=True,
                             unit="step", smoothing=0.1)
 
     def update(self, step: int, m: dict) -> None:
-        """Called on log steps with the step just finished (1-based count of steps done)."""
+        """Called on log steps with the number of steps done and that step's metrics row."""
         if not self.enabled:
             return
         text = (f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['tokens_per_sec']:,.0f} tok/s | "
@@ -199,10 +242,11 @@ class Progress:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(step - self.bar.n)
         else:
-            done = step - self.start
+            # ETA from this launch's wall clock (eval and snapshot time included), not from start 0
             elapsed = time.perf_counter() - self.t0
-            eta = elapsed / max(done, 1) * (self.total - step)
-            print(f"step {step}/{self.total} | {text} | eta {_fmt_time(eta)}", file=self.stream, flush=True)
+            eta = elapsed / max(step - self.start, 1) * (self.total - step)
+            print(f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {text} | "
+                  f"eta {_fmt_time(eta)}", file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:
