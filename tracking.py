@@ -160,6 +160,14 @@ class RunTracker(NullTracker):
         except Exception as e:  # no network, bad key, service down, wandb missing pieces
             self._warn("init", e)
             self._wandb = None
+            return
+        try:  # one line to find the run again; never worth failing for
+            where = (self._wandb.url if self.mode == "online" else
+                     f"{self._wandb.settings.sync_dir} (upload later: wandb sync <that folder>)")
+        except Exception:
+            where = "?"
+        cont = f", continuing after step {self.last_logged_step}" if self.last_logged_step >= 0 else ""
+        print(f"wandb: {self.mode} run {self.run_id}{cont}: {where}", flush=True)
 
     def _wandb_call(self, what: str, fn: Callable[[], None]) -> bool:
         if self._wandb is None:

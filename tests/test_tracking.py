@@ -138,6 +138,7 @@ def test_offline_run_logs_everything_and_resume_continues_the_same_run(tmp_path)
     assert a["summary"]["final_step"] == 10 and "sample_text" in a["summary"]
     assert any(k.startswith("sample/") for h in a["history"] for k in h), "no sample panel"
     assert metric_steps(run_dir) == [5, 10]
+    assert f"wandb: offline run {run_id}: {run_a}" in first.stdout
     # plain progress lines (stderr is a pipe here, not a terminal): one per log step, no \r
     lines = [ln for ln in first.stderr.splitlines() if ln.startswith("step ") and "tok/s" in ln]
     assert [ln.split()[1] for ln in lines] == ["5/10", "10/10"], first.stderr[-2000:]
@@ -146,6 +147,7 @@ def test_offline_run_logs_everything_and_resume_continues_the_same_run(tmp_path)
     shutil.rmtree(run_dir / "snapshots" / "step_0000010")
     second = run_main(args + ["trainer.max_steps=15"], env)
     assert "resumed from" in second.stdout
+    assert f"wandb: offline run {run_id}, continuing after step 10: " in second.stdout
     runs = offline_runs(run_dir)
     assert len(runs) == 2 and runs[0] == run_a
     b = read_wandb_run(runs[1])
