@@ -106,7 +106,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # pipeline parallel
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
-    microbatches: int = 0  # pipeline micro-batches per step (0 = pp)
+    microbatches: int = 0  # pipeline micro-batches per step (0 = per-rank batch / micro_batch_size, else pp)
     pp_split: str = ""  # comma-separated blocks per stage, e.g. "3,1" (empty = even split)
     pp_stages_per_rank: int = 1
 
@@ -323,6 +323,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
                          f"attention heads are split across tensor-parallel ranks")
     _check_options_belong(p)
+    _check_model_split(m, p)
     _validate_wandb(w)
 
 
@@ -363,6 +364,48 @@ _STRATEGY_ONLY = {
     "gradient_as_bucket_view": ("ddp", "zero"),
     "static_graph": ("ddp", "zero"),
 }
+
+
+def _check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
+    """Tensor/pipeline-parallel checks that need only the config (batch checks need the world
+    size: parallel.pp.pipeline_microbatches)."""
+    if p.sequence_parallel and m.block_size % p.tp:
+        raise UsageError(f"model.block_size={m.block_size} is not divisible by parallel.tp={p.tp}; "
+                         f"sequence parallelism splits the sequence across tensor-parallel ranks")
+    if p.pp == 1:
+        return
+    stages = p.pp * p.pp_stages_per_rank
+    if p.pp_split:
+        parts = p.pp_split.split(",")
+        if not all(s.strip().isdigit() and int(s) >= 1 for s in parts):
+            raise UsageError(f"parallel.pp_split='{p.pp_split}' must be comma-separated block counts "
+                             f">= 1, e.g. '3,1'")
+        if len(parts) != stages:
+            raise UsageError(f"parallel.pp_split='{p.pp_split}' has {len(parts)} stages but pp x "
+                             f"pp_stages_per_rank = {stages}; give {stages} counts")
+        if sum(int(s) for s in parts) != m.n_layer:
+            raise UsageError(f"parallel.pp_split='{p.pp_split}' sums to {sum(int(s) for s in parts)} "
+                             f"blocks but model.n_layer={m.n_layer}; make the counts add up to n_layer")
+    elif m.n_layer < stages:
+        raise UsageError(f"model.n_layer={m.n_layer} is fewer than the {stages} pipeline stages (pp x "
+                         f"pp_stages_per_rank); every stage needs a block: lower parallel.pp")
+    elif m.n_layer % stages:
+        raise UsageError(f"model.n_layer={m.n_layer} does not split evenly into {stages} pipeline stages "
+                         f"(pp x pp_stages_per_rank); set parallel.pp_split, e.g. "
+                         f"'{','.join(str(len(c)) for c in _even_chunks(m.n_layer, stages))}'")
+    if p.pp_schedule in ("gpipe", "1f1b") and p.pp_stages_per_rank != 1:
+        raise UsageError(f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank; set "
+                         f"parallel.pp_stages_per_rank=1 or use interleaved_1f1b")
+    if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
+        raise UsageError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2; "
+                         "set it to 2, or use 1f1b")
+    if p.microbatches and p.pp_schedule != "gpipe" and p.microbatches < p.pp:
+        raise UsageError(f"parallel.microbatches={p.microbatches} is below parallel.pp={p.pp}; "
+                         f"{p.pp_schedule} needs at least one micro-batch per stage (or use gpipe)")
+
+
+def _even_chunks(n: int, k: int) -> list[range]:
+    return [range(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def _check_options_belong(p: ParallelConfig) -> None:

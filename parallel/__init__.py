@@ -35,6 +35,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _same_layout_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Split into plain tensors and DTensors per (mesh, placements) (of a parameter: of its
+    gradient): foreach kernels take neither a DTensor/plain mix nor mixed meshes."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        g = t.grad if isinstance(t, nn.Parameter) and t.grad is not None else t
+        key = (id(g.device_mesh), tuple(g.placements)) if hasattr(g, "device_mesh") else ()
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
+
+
 class Strategy:
     """parallel.strategy=none: one process, one device. Base class of every other strategy."""
 
@@ -50,6 +61,7 @@ class Strategy:
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self.model_parts: list[nn.Module] = []
         self.model: nn.Module | None = None  # the module whose forward maps ids -> logits
+        self.pipeline = None  # parallel.pp.Pipeline when pp > 1: it runs forward/backward
         self.loss_owner = True  # does this rank compute the loss? (pipeline: last stage only)
         self.validate_layout()
 
@@ -61,6 +73,9 @@ class Strategy:
 
     @property
     def micro_batch_size(self) -> int:
+        if self.cfg.parallel.pp > 1:  # one pipeline schedule per step, over M micro-batches
+            from parallel.pp import pipeline_microbatches
+            return self.per_rank_batch // pipeline_microbatches(self.cfg, self.per_rank_batch)
         return self.cfg.trainer.micro_batch_size or self.per_rank_batch
 
     @property
@@ -73,6 +88,9 @@ class Strategy:
         if t.batch_size % self.dp_size:
             raise UsageError(f"trainer.batch_size={t.batch_size} is not divisible by the "
                              f"{self.dp_size} data-parallel ranks; use a multiple of {self.dp_size}")
+        if self.cfg.parallel.pp > 1:
+            from parallel.pp import pipeline_microbatches
+            pipeline_microbatches(self.cfg, self.per_rank_batch)  # raises UsageError
         if self.per_rank_batch % self.micro_batch_size:
             raise UsageError(f"trainer.micro_batch_size={t.micro_batch_size} does not divide the "
                              f"per-rank batch {self.per_rank_batch} (= batch_size / dp ranks); pick a "
@@ -87,7 +105,10 @@ class Strategy:
     def tracker_rank(self) -> int:
         """Global rank of the one process that writes metrics and talks to wandb: it holds the
         reduced loss (global rank 0, or the first rank of the last pipeline stage)."""
-        return 0
+        if self.cfg.parallel.pp == 1:
+            return 0
+        from parallel.pp import last_stage_pp_rank
+        return last_stage_pp_rank(self.cfg) * self.dp_size * self.cfg.parallel.tp  # mesh (pp, dp, tp)
 
     @property
     def is_tracker(self) -> bool:
@@ -106,14 +127,35 @@ class Strategy:
         self.parallelize(model)
 
     def parallelize(self, model: GPT) -> None:
-        """Place `model` (built identically on every rank from the same seed) onto this layout."""
+        """Place `model` (built identically on every rank from the same seed) onto this layout:
+        pipeline split on mesh["pp"] -> tensor parallel on mesh["tp"] (per stage) -> activation
+        checkpointing -> data parallel on mesh["dp"] (per stage) -> compile."""
+        p = self.cfg.parallel
         model.to(self.device)
-        for block in model.blocks.values():
-            block.activation_checkpointing = self.cfg.parallel.activation_checkpointing
-        self.model = self.wrap_data_parallel(model)
-        if self.cfg.trainer.compile:
-            self.model = torch.compile(self.model)
-        self.model_parts = [model]
+        parts = [model]
+        if p.pp > 1:
+            from parallel.pp import Pipeline
+            self.pipeline = Pipeline(model, self.cfg, self.mesh, self.device, self.per_rank_batch)
+            parts = self.pipeline.stage_modules
+            self.loss_owner = self.pipeline.holds_last
+        if p.tp > 1:
+            from parallel.tp import apply_tensor_parallel
+            for part in parts:
+                apply_tensor_parallel(part, self.mesh["tp"], p.tp_vocab_parallel, p.sequence_parallel)
+        for part in parts:
+            for block in part.blocks.values():
+                block.activation_checkpointing = p.activation_checkpointing
+        wrapped = [self.wrap_data_parallel(part) for part in parts]
+        if self.pipeline is None:
+            self.model = torch.compile(wrapped[0]) if self.cfg.trainer.compile else wrapped[0]
+            self.model_parts = [model]
+            return
+        if self.cfg.trainer.compile:  # in place per block: the stage must stay the DDP/FSDP module
+            for part in parts:
+                for block in part.blocks.values():
+                    block.compile()
+        self.pipeline.build_schedule(wrapped)
+        self.model_parts = [self.pipeline.state_view]
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         return model
@@ -173,38 +215,67 @@ class Strategy:
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, targets)
 
+    def loss_context(self):
+        """Around forward AND backward: vocabulary-parallel logits (a DTensor sharded over the
+        vocabulary) need loss_parallel() for the cross-entropy and its gradient."""
+        if self.cfg.parallel.tp > 1 and self.cfg.parallel.tp_vocab_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
                          scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda l: l) -> torch.Tensor:
         """Forward + backward over this rank's share (B/dp, T); gradients end up averaged over the
         global batch. Returns this rank's mean loss (detached)."""
+        if self.pipeline is not None:  # one schedule step over pipeline micro-batches
+            with self.autocast(), self.loss_context():
+                return self.pipeline.forward_backward(x.to(self.device), y.to(self.device),
+                                                      self.loss_fn, scale_loss)
         n = self.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(self.micro_batches(x, y)):
-            with self.no_sync(skip_sync=i < n - 1):
+            with self.no_sync(skip_sync=i < n - 1), self.loss_context():
                 with self.autocast():
                     loss = self.loss_fn(self.model(xm), ym)
                 scale_loss(loss / n).backward()
-            total += loss.detach()
+            total += local_tensor(loss.detach())
         return total / n
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss of this rank's share of one validation batch (no gradients)."""
+        if self.pipeline is not None:
+            with self.autocast(), self.loss_context():
+                return self.pipeline.eval_loss(x.to(self.device), y.to(self.device), self.loss_fn)
         total = torch.zeros((), device=self.device)
         n = 0
         for xm, ym in self.micro_batches(x, y):
-            with self.autocast():
-                total += self.loss_fn(self.model(xm), ym).float()
+            with self.autocast(), self.loss_context():
+                total += local_tensor(self.loss_fn(self.model(xm), ym)).float()
             n += 1
         return total / n
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm; returns the norm before clipping. max_norm=0 only
-        measures it."""
-        params = [p for part in self.unwrapped() for p in part.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
-                                              foreach=None)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        measures it. Gradients may mix plain tensors (replicated: counted once) and DTensors on
+        different meshes/placements (tp/fsdp shards: their norms are reduced over their mesh);
+        under pp every stage adds its share of the squared norm."""
+        params = [p for p in {id(p): p for part in self.unwrapped() for p in part.parameters()}.values()
+                  if p.grad is not None]
+        # A tied weight held by two pipeline ranks is clipped on both but counted once.
+        counted = self.pipeline.norm_parameters() if self.pipeline is not None else params
+        squared = torch.zeros((), device=self.device)
+        for group in _same_layout_groups([p.grad for p in counted if p.grad is not None]):
+            norm = torch.nn.utils.get_total_norm(group, 2.0, foreach=None)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            squared += norm.float() ** 2
+        if self.pipeline is not None:
+            dist.all_reduce(squared, group=self.mesh["pp"].get_group())
+        total = squared.sqrt()
+        if max_norm > 0:
+            for group in _same_layout_groups(params):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
+        return total
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks of a per-rank scalar held by the loss owners; returned on
@@ -227,10 +298,17 @@ class Strategy:
                 if p.grad is not None:
                     g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                     out[name] = g.detach().float().cpu().clone()
+        if self.pipeline is not None:  # each rank holds its stages: merge everyone's
+            everyone = [None] * self.env.world_size
+            dist.all_gather_object(everyone, out)
+            out = {k: v for part in everyone for k, v in part.items()}
         return out
 
     def after_optimizer_step(self) -> None:
-        """Hook after optimizer.step() (e.g. re-tie weights or gather shards)."""
+        """Hook after optimizer.step() (e.g. re-tie weights or gather shards). Subclasses that
+        override it call super() (the pipeline refreshes a V-shape rank's tied-weight copy)."""
+        if self.pipeline is not None:
+            self.pipeline.after_optimizer_step()
 
     # ------------------------------------------------------------------ state
 
@@ -253,9 +331,19 @@ class Strategy:
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's plain CPU tensors on global rank 0 (None elsewhere): for model.pt."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(self._state_module(),
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v.detach().cpu().clone() for k, v in sd.items()} if self.env.rank == 0 else None
+        if self.pipeline is None:
+            sd = get_model_state_dict(self._state_module(),
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return {k: v.detach().cpu().clone() for k, v in sd.items()} if self.env.rank == 0 else None
+        # pp: every rank gathers its stages over its dp/tp group (a collective there), then the
+        # ranks at dp = tp = 0 (one per stage group, global rank 0 among them) send them to rank 0.
+        sd = get_model_state_dict(self._state_module(), options=StateDictOptions(full_state_dict=True))
+        sd = {k: v.detach().cpu().clone() for k, v in sd.items()}
+        if self.mesh["dp"].get_local_rank() != 0 or self.mesh["tp"].get_local_rank() != 0:
+            return None
+        parts = [None] * self.cfg.parallel.pp if self.env.rank == 0 else None
+        dist.gather_object(sd, parts, dst=0, group=self.mesh["pp"].get_group())
+        return {k: v for part in parts for k, v in part.items()} if self.env.rank == 0 else None
 
     def sampling_model(self) -> nn.Module | None:
         """A plain module for generate() on rank 0 (None elsewhere)."""
