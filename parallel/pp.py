@@ -43,6 +43,7 @@ this rank's keys, so snapshots reshard across pp, tp and dp layouts.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
@@ -52,8 +53,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.nn.parallel import DistributedDataParallel
 
 from config import Config, UsageError
 from model import GPT
@@ -149,12 +151,34 @@ def make_stage_module(model: GPT, stage: int, counts: list[int]) -> GPT:
     return part
 
 
+class _Stage(PipelineStage):
+    """PipelineStage whose first-step shape inference runs a DDP-wrapped stage under no_sync().
+    torch calls the module directly there (not through its no_sync path), so DDP would arm its
+    reducer for a backward that never reaches the parameters and then count every parameter
+    twice when it rebuilds its buckets (an internal assert in reducer.cpp at the next step)."""
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        sync_off = module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+        with sync_off:
+            return module(*args, **kwargs)
+
+
 class _Alias(nn.Module):
     """Holds a parameter that lives in another module under a second name (the tied weight)."""
 
     def __init__(self, weight: nn.Parameter):
         super().__init__()
         self.weight = weight
+
+
+def _grad_as_param(p: nn.Parameter) -> torch.Tensor:
+    """p.grad laid out like p. A DTensor gradient may come back in another placement than its
+    parameter (a vocabulary-parallel embedding's gradient is Replicate while the weight is
+    Shard(0)); the two tied copies must agree element for element before they are summed."""
+    g = p.grad
+    if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+        p.grad = g = g.redistribute(p.device_mesh, p.placements)
+    return g
 
 
 class Pipeline:
@@ -212,7 +236,7 @@ class Pipeline:
         """`wrapped[i]` is stage_modules[i] after data-parallel wrapping (DDP/FSDP or itself):
         the schedule runs those, so DDP's no_sync and FSDP's deferred reduce-scatter apply."""
         group = self.pp_mesh.get_group()
-        stages = [PipelineStage(w, s, self.num_stages, self.device, group=group)
+        stages = [_Stage(w, s, self.num_stages, self.device, group=group)
                   for w, s in zip(wrapped, self.stage_ids)]
         cls = schedule_class(self.cfg)
         target = stages[0] if _single_stage(cls) else stages
@@ -285,11 +309,11 @@ class Pipeline:
         if self.holds_first and self.holds_last:
             first, last = self._first().tok_emb.weight, self._last().lm_head.weight
             if last is not first and last.grad is not None:
-                local_tensor(first.grad).add_(local_tensor(last.grad))
+                local_tensor(_grad_as_param(first)).add_(local_tensor(_grad_as_param(last)))
                 last.grad = None  # not in the optimizer: refreshed in after_optimizer_step
         elif self.tied_group is not None and (self.holds_first or self.holds_last):
             weight = self._first().tok_emb.weight if self.holds_first else self._last().lm_head.weight
-            dist.all_reduce(local_tensor(weight.grad), group=self.tied_group)
+            dist.all_reduce(local_tensor(_grad_as_param(weight)), group=self.tied_group)
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
