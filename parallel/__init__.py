@@ -50,6 +50,8 @@ class Strategy:
     """parallel.strategy=none: one process, one device. Base class of every other strategy."""
 
     name = "none"
+    # Can wrap_data_parallel take tensor-parallel (DTensor) parameters when dp > 1?
+    takes_tensor_parallel_params = True
 
     def __init__(self, cfg: Config, env: DistEnv, mesh=None):
         self.cfg = cfg
@@ -88,9 +90,19 @@ class Strategy:
         if t.batch_size % self.dp_size:
             raise UsageError(f"trainer.batch_size={t.batch_size} is not divisible by the "
                              f"{self.dp_size} data-parallel ranks; use a multiple of {self.dp_size}")
-        if self.cfg.parallel.pp > 1:
+        p = self.cfg.parallel
+        if p.tp > 1 and self.dp_size > 1 and not self.takes_tensor_parallel_params:
+            raise UsageError(f"parallel.strategy={self.name} cannot data-parallelize tensor-parallel "
+                             f"(DTensor) parameters; with parallel.tp > 1 and {self.dp_size} dp ranks use "
+                             f"parallel.strategy=fsdp")
+        if p.pp > 1:
             from parallel.pp import pipeline_microbatches
             pipeline_microbatches(self.cfg, self.per_rank_batch)  # raises UsageError
+            if p.pp_schedule == "zero_bubble" and self.dp_size > 1:
+                # Measured: split input/weight backward passes leave DDP's all-reduce and FSDP's
+                # reduce-scatter with wrong or missing gradients (torch 2.13).
+                raise UsageError("parallel.pp_schedule=zero_bubble does not compose with data parallelism "
+                                 f"({self.dp_size} dp ranks): use 1f1b or interleaved_1f1b, or dp = 1")
         if self.per_rank_batch % self.micro_batch_size:
             raise UsageError(f"trainer.micro_batch_size={t.micro_batch_size} does not divide the "
                              f"per-rank batch {self.per_rank_batch} (= batch_size / dp ranks); pick a "

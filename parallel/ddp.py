@@ -24,6 +24,7 @@ from parallel import Strategy
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    takes_tensor_parallel_params = False  # DDP broadcasts/reduces plain tensors only (measured)
 
     def describe(self) -> str:
         p = self.cfg.parallel
