@@ -204,6 +204,15 @@ class Strategy:
         """fp16 needs loss scaling (its 5-bit exponent underflows small gradients); bf16/fp32 do not."""
         if self.cfg.trainer.precision != "fp16":
             return None
+        if self.cfg.parallel.tp > 1 or self.cfg.parallel.pp > 1:
+            # Each rank sees only its shards/stages: the inf/nan verdict is all-reduced over the
+            # world, so every rank skips the same steps.
+            from parallel.scaler import DistributedGradScaler
+            scaler = DistributedGradScaler(self.device.type, process_group=dist.group.WORLD)
+            # The scale is created lazily by scale(); pipeline ranks without the loss never call
+            # it, so create it now on every rank.
+            scaler.scale(torch.zeros((), device=self.device))
+            return scaler
         return torch.amp.GradScaler(self.device.type)
 
     # ------------------------------------------------------------------ step
