@@ -19,6 +19,7 @@ import contextlib
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from config import UsageError
 from parallel import Strategy
 
 
@@ -33,6 +34,15 @@ class DDPStrategy(Strategy):
         return (f"ddp (bucket {p.bucket_cap_mb:g} MB, grads as bucket views "
                 f"{'on' if p.gradient_as_bucket_view else 'off'}"
                 f"{', static graph' if p.static_graph else ''})")
+
+    def validate_layout(self) -> None:
+        super().validate_layout()
+        if self.cfg.parallel.static_graph and self.grad_accum_steps > 1:
+            # torch DDP bug (pytorch#143580, fix pending in #187732): static_graph with no_sync()
+            # asserts in the reducer on the first backward, and once past that stops reducing.
+            raise UsageError(f"parallel.static_graph=true cannot be combined with gradient accumulation "
+                             f"({self.grad_accum_steps} micro-batches per step; DDP bug pytorch#143580); "
+                             f"set trainer.micro_batch_size=0 or parallel.static_graph=false")
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         if self.dp_size == 1:

@@ -183,8 +183,12 @@ class _ElementShardedZero(ZeroStrategy):
         if current:
             self.buckets.append(ShardBucket(current, [self.spec[q] for q in current], n, self.dp_group))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2),
-                                           **self._adamw_kernel([s for g in groups for s in g["params"]]))
+        kernel = self._adamw_kernel([s for g in groups for s in g["params"]])
+        if self.cfg.trainer.precision == "fp16" and self.dp_size > 1:
+            # ShardedGradScaler hands fused AdamW a found_inf of shape [1] where the fused kernel
+            # wants [] (RuntimeError in _fused_adam, cf. pytorch#140514): use the default kernel.
+            kernel = {}
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), **kernel)
         return self.optimizer
 
     def gather_params(self) -> None:

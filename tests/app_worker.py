@@ -1,0 +1,35 @@
+"""Run under torchrun by tests/test_data_parallel.py: the whole app (`main.main`, exactly what
+`torchrun main.py ...` runs) once per `--app "OVERRIDES"`, several runs in ONE launch (imports
+cost 7-9 s per launch). The process group is kept between runs (main's shutdown() is a no-op
+here; init_distributed reuses the live group). Rank 0 writes each run's exit code to
+OUT/exit_codes.json."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch.distributed as dist  # noqa: E402
+
+import main as app  # noqa: E402
+import parallel.mesh  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--app", action="append", required=True, help="space-separated overrides")
+    args = ap.parse_args()
+    parallel.mesh.shutdown = lambda: None  # one process group for all runs of this launch
+    codes = []
+    for overrides in args.app:
+        codes.append(app.main(overrides.split()))
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(args.out, "exit_codes.json").write_text(json.dumps(codes))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

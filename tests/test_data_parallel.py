@@ -1,0 +1,335 @@
+"""The data-parallel family (issue 3): dp, ddp, zero stages 1/2/3, fsdp.
+
+- parity with one process (first-step gradients <= 1e-6 abs, loss at each of 10 steps <= 1e-4
+  rel) at dp=2 (TINY: accumulation 2) and dp=4, incl. bucket/option variants, activation
+  checkpointing, bf16 autocast and fp16 loss scaling;
+- per-rank resident bytes (read from the local tensors) against the ZeRO formulas;
+- state dicts: written by zero/fsdp, loaded into another strategy and world size, bit-exact;
+- the whole app (main.main) for every strategy: trains, evaluates (val loss averaged over dp
+  ranks = one process's), writes model.pt, one process prints and logs;
+- bad input: one line, exit code 2.
+Launches: one 2-process + one 4-process tests/dp_worker.py, one 2-process tests/app_worker.py,
+one single-process `python main.py parallel.strategy=dp`; everything else runs in this process.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import TINY, python, run_steps, torchrun
+from parity import assert_parity, load_case
+
+import main as app
+
+STEPS = 10
+ZERO = "parallel.strategy=zero parallel.zero_stage="
+ODD = "model.n_embd=30 model.n_head=2"  # no tensor size divides by 4: exercises shard padding
+FP16_SCALE = 2.0 ** 16  # GradScaler's initial scale: first-step gradients are scaled by it
+
+# name -> (overrides, reference). References are single-process runs of the same model/precision.
+TWO_PROC = {
+    "ddp": ("parallel.strategy=ddp", "fp32"),
+    "ddp_options": ("parallel.strategy=ddp parallel.bucket_cap_mb=0.01 parallel.gradient_as_bucket_view=false",
+                    "fp32"),
+    "ddp_static": ("parallel.strategy=ddp parallel.static_graph=true trainer.micro_batch_size=4", "fp32"),
+    "zero1": (ZERO + "1", "fp32"),
+    "zero1_buckets": (ZERO + "1 parallel.bucket_cap_mb=0.01", "fp32"),
+    "zero2": (ZERO + "2", "fp32"),
+    "zero2_buckets": (ZERO + "2 parallel.bucket_cap_mb=0.01", "fp32"),
+    "zero2_ckpt_act": (ZERO + "2 parallel.activation_checkpointing=true", "fp32"),
+    "zero3": (ZERO + "3", "fp32"),
+    "fsdp": ("parallel.strategy=fsdp", "fp32"),
+    "fsdp_keep_gathered": ("parallel.strategy=fsdp parallel.reshard_after_forward=false", "fp32"),
+    "fsdp_cpu_offload": ("parallel.strategy=fsdp parallel.cpu_offload=true", "fp32"),
+    "fsdp_ckpt_act": ("parallel.strategy=fsdp parallel.activation_checkpointing=true", "fp32"),
+    "zero2_bf16": (ZERO + "2 trainer.precision=bf16", "bf16"),
+    "fsdp_bf16": ("parallel.strategy=fsdp trainer.precision=bf16", "bf16"),
+    "zero1_fp16": (ZERO + "1 trainer.precision=fp16", "fp16"),
+    "zero2_fp16": (ZERO + "2 trainer.precision=fp16", "fp16"),
+    "fsdp_fp16": ("parallel.strategy=fsdp trainer.precision=fp16", "fp16"),
+}
+FOUR_PROC = {
+    "zero1": (ZERO + "1", "fp32"),
+    "zero2": (ZERO + "2", "fp32"),
+    "zero3": (ZERO + "3", "fp32"),
+    "fsdp": ("parallel.strategy=fsdp", "fp32"),
+    "zero1_odd": (f"{ZERO}1 {ODD}", "odd"),
+    "zero2_odd": (f"{ZERO}2 {ODD}", "odd"),
+    "zero3_odd": (f"{ZERO}3 {ODD}", "odd"),
+    "fsdp_odd": (f"parallel.strategy=fsdp {ODD}", "odd"),
+}
+REFERENCES = {"fp32": "", "bf16": "trainer.precision=bf16", "fp16": "trainer.precision=fp16", "odd": ODD}
+# FSDP2 compute in bf16 (sharded fp32 master weights): not bit-comparable with fp32 training.
+MIXED = ("fsdp_mixed_bf16", "parallel.strategy=fsdp parallel.mixed_precision=bf16")
+MIXED_LOSS_RTOL = 2e-2
+
+SAVE = {"zero2": ZERO + "2", "fsdp": "parallel.strategy=fsdp"}
+LOAD_TWO = [("fsdp", "zero1_from_fsdp", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp")]
+LOAD_FOUR = [("zero2", "zero1_from_zero2", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp"),
+             ("fsdp", "zero2_from_fsdp", ZERO + "2")]
+
+
+def worker_args(cases: dict, extra: list[str]) -> list[str]:
+    args = []
+    for name, (overrides, _) in cases.items():
+        args += ["--case", name, overrides]
+    return args + extra
+
+
+def launch(nproc: int, out: Path, args: list[str]) -> Path:
+    r = torchrun(nproc, ["tests/dp_worker.py", "--out", str(out), "--steps", str(STEPS), *args])
+    assert r.returncode == 0, "\n".join(
+        [l for l in r.stderr.splitlines() if "Error" in l or "error" in l][:20]) + r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ref")
+    return {name: run_steps(["parallel.strategy=none", *extra.split()], STEPS, root / name)
+            for name, extra in REFERENCES.items()}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> Path:
+    extra = ["--case", *MIXED]
+    for name, overrides in SAVE.items():
+        extra += ["--save", name, overrides]
+    for ckpt, name, overrides in LOAD_TWO:
+        extra += ["--load", ckpt, name, overrides]
+    return launch(2, tmp_path_factory.mktemp("dp2"), worker_args(TWO_PROC, extra))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory, two) -> Path:
+    extra = ["--buckets"]
+    for ckpt, name, overrides in LOAD_FOUR:
+        extra += ["--load", str(two / f"ckpt-{ckpt}"), name, overrides]
+    return launch(4, tmp_path_factory.mktemp("dp4"), worker_args(FOUR_PROC, extra))
+
+
+def check_parity(ref: dict, got: dict, name: str, reference: str) -> None:
+    if reference == "fp16":  # compare true gradients: both runs scaled the loss by FP16_SCALE
+        ref = {**ref, "grads": {k: v / FP16_SCALE for k, v in ref["grads"].items()}}
+        got = {**got, "grads": {k: v / FP16_SCALE for k, v in got["grads"].items()}}
+    assert_parity(ref, got, name)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def test_parity_two_processes(references, two):
+    for name, (_, reference) in TWO_PROC.items():
+        got = load_case(two, name)
+        assert got["dp"] == 2
+        check_parity(references[reference], got, f"{name} (dp=2)", reference)
+
+
+def test_parity_four_processes(references, four):
+    for name, (_, reference) in FOUR_PROC.items():
+        got = load_case(four, name)
+        assert got["dp"] == 4
+        check_parity(references[reference], got, f"{name} (dp=4)", reference)
+
+
+def test_fsdp_mixed_precision_trains_close_to_fp32(references, two):
+    ref, got = references["fp32"], load_case(two, MIXED[0])
+    assert all(torch.isfinite(torch.tensor(got["losses"])))
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
+        assert abs(a - b) <= MIXED_LOSS_RTOL * a, f"bf16 params: loss at step {step}: {b} vs fp32 {a}"
+    assert got["losses"][-1] < got["losses"][0]
+
+
+def test_dp_single_process_parity(references, tmp_path):
+    got = run_steps(["parallel.strategy=dp"], STEPS, tmp_path)
+    assert_parity(references["fp32"], got, "dp (one process, no GPU)")
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def shard_slack(model_overrides: str, n: int) -> tuple[int, int]:
+    """(T, R): unique parameter tensors and the sum of their dim-0 row sizes. Element sharding
+    pads < 1 element per tensor per rank (bound: T elements); FSDP2's dim-0 sharding pads < 1
+    row per tensor per rank (bound: R elements)."""
+    from model import GPT, GPTConfig
+    m = dict(kv.split("=") for kv in f"{' '.join(TINY)} {model_overrides}".split() if kv.startswith("model."))
+    cfg = GPTConfig(vocab_size=65, **{k.split(".")[1]: int(v) for k, v in m.items()})
+    params = {id(p): p for p in GPT(cfg).parameters()}.values()
+    return len(params), sum(p.numel() // p.shape[0] for p in params)
+
+
+def check_memory(result: dict, kind: str, model_overrides: str = "") -> None:
+    """Per-rank bytes vs the seed formulas for fp32 AdamW with a parameters on n ranks."""
+    a, n = result["num_params"], result["dp"]
+    T, R = shard_slack(model_overrides, n)
+    formulas = {  # category -> (expected bytes, allowed padding bytes)
+        "ddp": {"params": (4 * a, 0), "grads": (4 * a, 0), "optimizer": (8 * a, 0)},
+        "zero1": {"params": (4 * a, 0), "grads": (4 * a, 0), "optimizer": (8 * a / n, 8 * T)},
+        "zero2": {"params": (4 * a, 0), "grads": (4 * a / n, 4 * T), "optimizer": (8 * a / n, 8 * T)},
+        "sharded3": {"params": (4 * a / n, 4 * R), "grads": (4 * a / n, 4 * R), "optimizer": (8 * a / n, 8 * R)},
+    }[kind]
+    assert len(result["memory"]) == n
+    for rank, mem in enumerate(result["memory"]):
+        for cat, (want, slack) in formulas.items():
+            # Padding adds at most one element (row) per tensor to a rank; the last ranks' clipped
+            # chunks may hold up to n-1 fewer (chunk = ceil(size / n)).
+            assert want - (n - 1) * slack <= mem[cat] <= want + slack, (
+                f"{kind} rank {rank} {cat}: {mem[cat]} bytes, formula {want:.0f} (+{slack}) with a={a}, n={n}")
+    if kind != "ddp":  # sharded optimizer state: no element held twice, none missing
+        assert sum(m["optimizer"] for m in result["memory"]) == 8 * a
+
+
+def test_memory_follows_formulas(two, four):
+    for name, kind in [("ddp", "ddp"), ("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "sharded3"),
+                       ("fsdp", "sharded3")]:
+        check_memory(load_case(two, name), kind)
+    for name, kind in [("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "sharded3"), ("fsdp", "sharded3")]:
+        check_memory(load_case(four, name), kind)
+        check_memory(load_case(four, f"{name}_odd"), kind, ODD)
+    odd = load_case(four, "zero2_odd")["memory"]  # Adam state holds exactly the (clipped) slices
+    assert odd[-1]["optimizer"] < odd[0]["optimizer"], "odd sizes should give the last rank a smaller slice"
+
+
+def test_shard_buckets_on_odd_sizes(four):
+    b = torch.load(four / "buckets.pt", weights_only=True)
+    assert b["max_error"] <= 1e-6 and b["gather_exact"]
+    for i, size in enumerate(b["sizes"]):
+        lengths = [per_rank[i] for per_rank in b["lengths"]]
+        assert sum(lengths) == size and max(lengths) - min(lengths) <= -(-size // 4), (size, lengths)
+
+
+# ----------------------------------------------------------------------------- state dicts
+
+
+def assert_same_state(expected: dict, got: dict, name: str) -> None:
+    assert expected["tensors"].keys() == got["tensors"].keys(), (
+        f"{name}: keys differ: {sorted(set(expected['tensors']) ^ set(got['tensors']))[:6]}")
+    for key, want in expected["tensors"].items():
+        assert torch.equal(want, got["tensors"][key]), f"{name}: {key} differs after loading"
+    assert expected["param_groups"] == got["param_groups"], name
+
+
+def test_state_dict_loads_across_strategies_and_world_sizes(two, four, tmp_path):
+    expected = {name: torch.load(two / f"ckpt-{name}.expected.pt", weights_only=False) for name in SAVE}
+    assert any(k.startswith("optim.") and k.endswith(".exp_avg") for k in expected["zero2"]["tensors"])
+    for ckpt, name, _ in LOAD_TWO:
+        assert_same_state(expected[ckpt], torch.load(two / f"{name}.pt", weights_only=False), f"{name} (2 ranks)")
+    for ckpt, name, _ in LOAD_FOUR:
+        assert_same_state(expected[ckpt], torch.load(four / f"{name}.pt", weights_only=False), f"{name} (4 ranks)")
+    # ... and into one process without a process group (parallel.strategy=none)
+    import torch.distributed.checkpoint as dcp
+    from dp_worker import build, whole_state
+    trainer = build("parallel.strategy=none", tmp_path)
+    template = trainer.strategy.state_dict(trainer.optimizer)
+    dcp.load(template, checkpoint_id=str(two / "ckpt-zero2"), no_dist=True)
+    trainer.strategy.load_state_dict(template, trainer.optimizer)
+    assert_same_state(expected["zero2"], whole_state(trainer.strategy, trainer.optimizer), "none_from_zero2")
+
+
+# ----------------------------------------------------------------------------- the whole app
+
+APP = {  # strategy -> overrides; every run: TINY, 10 steps, eval at 5 and 10
+    "ddp": "parallel.strategy=ddp",
+    "zero1": ZERO + "1",
+    "zero2": ZERO + "2",
+    "zero3": ZERO + "3",
+    "fsdp": "parallel.strategy=fsdp parallel.cpu_offload=true",
+}
+
+
+def app_args(run_dir: Path, overrides: str) -> str:
+    return " ".join(TINY + [f"trainer.run_dir={run_dir}", "trainer.max_steps=10", overrides])
+
+
+def final_val_loss(run_dir: Path) -> float:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10], f"{run_dir}: one metrics row per log step, got {rows}"
+    return rows[-1]["val_loss"]
+
+
+def check_model_pt(run_dir: Path) -> None:
+    from model import GPT, GPTConfig
+    payload = torch.load(run_dir / "model.pt", weights_only=True)
+    want = GPT(GPTConfig(**payload["model_config"])).state_dict()
+    assert payload["model"].keys() == want.keys(), f"{run_dir}: model.pt names {list(payload['model'])[:4]}"
+    for k, v in payload["model"].items():
+        assert type(v) is torch.Tensor and v.shape == want[k].shape, k
+
+
+def test_whole_app_every_strategy(tmp_path):
+    # one process: strategy dp without a GPU trains as plain one-process training and says so
+    single = tmp_path / "dp"
+    r = python(["main.py", *app_args(single, "parallel.strategy=dp").split()])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warning: parallel.strategy=dp found 0 GPU(s)" in r.stderr, r.stderr[-2000:]
+    check_model_pt(single)
+    reference = final_val_loss(single)
+
+    args = []
+    for name, overrides in APP.items():
+        args += ["--app", app_args(tmp_path / name, overrides)]
+    args += ["--app", app_args(tmp_path / "dp-multi", "parallel.strategy=dp")]  # must refuse
+    r = torchrun(2, ["tests/app_worker.py", "--out", str(tmp_path), *args])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert json.loads((tmp_path / "exit_codes.json").read_text()) == [0] * len(APP) + [2]
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "parallel.strategy=dp drives all GPUs from ONE process" in errors[0], errors
+    for name in APP:
+        run_dir = tmp_path / name
+        check_model_pt(run_dir)
+        assert r.stdout.count(f"outputs in {run_dir}\n") == 1, f"{name}: 'done' must be printed once"
+        val = final_val_loss(run_dir)  # mean over both dp ranks' halves = one process's loss
+        assert abs(val - reference) <= 1e-4 * reference, f"{name}: val loss {val} vs one process {reference}"
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.strategy=zer"], "did you mean 'zero'"),
+    (["parallel.strategy=zero", "parallel.zero_stage=4"], "parallel.zero_stage must be 1, 2 or 3"),
+    (["parallel.strategy=zero", "parallel.zero_stage=0"], "parallel.zero_stage must be 1, 2 or 3"),
+    (["parallel.strategy=ddp", "parallel.cpu_offload=true"], "parallel.cpu_offload only applies to"),
+    (["parallel.strategy=ddp", "parallel.zero_stage=2"], "parallel.zero_stage only applies to"),
+    (["parallel.strategy=zero", "parallel.reshard_after_forward=false"], "only applies to parallel.strategy=fsdp"),
+    (["parallel.strategy=fsdp", "parallel.bucket_cap_mb=10"], "parallel.bucket_cap_mb only applies to"),
+    (["parallel.strategy=dp", "parallel.static_graph=true"], "parallel.static_graph only applies to"),
+    (["parallel.strategy=zero", "parallel.zero_stage=3", "parallel.bucket_cap_mb=10"],
+     "parallel.bucket_cap_mb only applies to parallel.zero_stage=1 or 2"),
+    (["parallel.strategy=zero", "parallel.zero_stage=2", "parallel.static_graph=true"],
+     "parallel.static_graph only applies to parallel.zero_stage=1"),
+    (["parallel.strategy=fsdp", "parallel.mixed_precision=fp8"], "parallel.mixed_precision='fp8' is not one of"),
+    (["parallel.strategy=fsdp", "parallel.reduce_dtype=int8"], "parallel.reduce_dtype='int8' is not one of"),
+    (["parallel.strategy=fsdp", "parallel.cpu_offload=maybe"], "must be true or false"),
+])
+def test_bad_config_one_line_exit_2(overrides, message, tmp_path, capsys):
+    assert app.main(TINY + [f"trainer.run_dir={tmp_path}"] + overrides) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and message in err, err
+    assert not any(tmp_path.iterdir()), "nothing may be written before the config is valid"
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.strategy=dp"], 2, "parallel.strategy=dp drives all GPUs from ONE process"),
+    (["parallel.strategy=zero", "trainer.batch_size=6", "trainer.micro_batch_size=0"], 4,
+     "trainer.batch_size=6 is not divisible by the 4 data-parallel ranks"),
+    (["parallel.strategy=fsdp", "trainer.batch_size=8", "trainer.micro_batch_size=3"], 2,
+     "trainer.micro_batch_size=3 does not divide the per-rank batch 4"),
+    (["parallel.strategy=zero", "parallel.static_graph=true"], 2,
+     "parallel.static_graph=true cannot be combined with gradient accumulation (2 micro-batches"),
+    (["parallel.strategy=zero", "parallel.zero_stage=2", "parallel.tp=2"], 4,
+     "parallel.zero_stage=2 shards plain tensors and does not compose with parallel.tp/pp > 1"),
+])
+def test_bad_layout(overrides, world, message):
+    """World-size checks run in the strategy's constructor, before any collective."""
+    from config import UsageError, load_config
+    from parallel import strategy_class
+    from parallel.mesh import DistEnv
+    cfg = load_config(None, TINY + overrides)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        strategy_class(cfg.parallel.strategy)(cfg, DistEnv(world_size=world))
