@@ -98,6 +98,12 @@ class FSDPStrategy(Strategy):
         p = self.cfg.parallel
         if self.cfg.trainer.precision != "fp16" and p.mixed_precision != "fp16":
             return None
+        if p.tp > 1 or p.pp > 1:  # gradients also split over tp/pp ranks: agree over the world
+            import torch.distributed as dist
+            from parallel.scaler import DistributedGradScaler
+            scaler = DistributedGradScaler(self.device.type, process_group=dist.group.WORLD)
+            scaler.scale(torch.zeros((), device=self.device))  # pipeline ranks without a loss need the scale too
+            return scaler
         if self.dp_size == 1:
             return torch.amp.GradScaler(self.device.type)
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
