@@ -152,15 +152,26 @@ def make_stage_module(model: GPT, stage: int, counts: list[int]) -> GPT:
 
 
 class _Stage(PipelineStage):
-    """PipelineStage whose first-step shape inference runs a DDP-wrapped stage under no_sync().
-    torch calls the module directly there (not through its no_sync path), so DDP would arm its
-    reducer for a backward that never reaches the parameters and then count every parameter
-    twice when it rebuilds its buckets (an internal assert in reducer.cpp at the next step)."""
+    """PipelineStage with two workarounds for torch 2.13, both measured."""
 
+    # 1. The first step's shape inference calls the module directly (not through the stage's
+    # no_sync path): a DDP-wrapped stage would arm its reducer for a backward that never
+    # reaches the parameters, then count every parameter twice when it rebuilds its buckets
+    # (an internal assert in reducer.cpp at the next step). Run it under no_sync().
     def _compute_outputs(self, *args, module: nn.Module, **kwargs):
         sync_off = module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
         with sync_off:
             return module(*args, **kwargs)
+
+    # 2. schedule.eval() on a V-shape schedule still walks its backward actions, and the hand-off
+    # of input gradients between two stages of one rank asserts that there is a backward. In a
+    # forward-only pass there is nothing to hand off.
+    def get_local_bwd_output(self, mb_index: int):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
 class _Alias(nn.Module):

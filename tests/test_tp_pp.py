@@ -1,0 +1,188 @@
+"""Tensor parallel, pipeline parallel and their meshes (issue 4) against one process.
+
+Parity (tests/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 10 steps <= 1e-4
+relative, plus the validation loss after the last step (Trainer.evaluate: under pp the
+schedule's forward-only pass, loss on the last stage). Two launches cover every case:
+  2 processes: tp=2 (replicated head), tp=2 vocab-parallel + sequence-parallel, pp=2 with each
+               schedule (tied weights), pp=2 untied with an uneven split;
+  4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), tp=2 x pp=2 (ZB-V, vocab-parallel, SP),
+               and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
+               process (a pp x tp snapshot resharded to pp = tp = 1).
+Layout errors are checked in-process (no process group): one line, UsageError.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from config import UsageError, load_config
+from harness import TINY, torchrun
+from parallel import strategy_class
+from parallel.mesh import DistEnv
+from parity import assert_parity, load_case
+from tp_pp_worker import run_case
+
+import main as app
+
+STEPS = 10
+VAL_RTOL = 1e-4
+
+TWO = {
+    "tp2": "parallel.tp=2",
+    "tp2_vocab_sp": "parallel.tp=2 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true",
+    "pp2_gpipe": "parallel.pp=2 parallel.pp_schedule=gpipe",
+    "pp2_1f1b": "parallel.pp=2 parallel.pp_schedule=1f1b",
+    "pp2_interleaved": "parallel.pp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+    "pp2_zbv": "parallel.pp=2 parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2",
+    "pp2_zb": "parallel.pp=2 parallel.pp_schedule=zero_bubble",
+}
+TWO_UNTIED = {"pp2_untied_split31": "parallel.pp=2 parallel.pp_split=3,1 model.tie_weights=false"}
+FOUR = {
+    "fsdp_dp2_tp2": "parallel.strategy=fsdp parallel.tp=2",
+    "ddp_dp2_pp2": "parallel.strategy=ddp parallel.pp=2",
+    "tp2_pp2_zbv_vocab_sp": ("parallel.tp=2 parallel.pp=2 parallel.pp_schedule=zero_bubble "
+                             "parallel.pp_stages_per_rank=2 parallel.tp_vocab_parallel=true "
+                             "parallel.sequence_parallel=true"),
+}
+APP = TINY + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.save_every=10"]
+APP_MESH = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.pp_stages_per_rank=2", "parallel.tp_vocab_parallel=true"]
+
+
+def launch(nproc: int, out, cases: dict, apps: list[list[str]] = ()) -> None:
+    args = ["tests/tp_pp_worker.py", "--out", str(out), "--steps", str(STEPS)]
+    for name, overrides in cases.items():
+        args += ["--case", name, overrides]
+    for overrides in apps:
+        args += ["--app", " ".join(overrides)]
+    r = torchrun(nproc, args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def assert_case(ref: dict, got: dict, name: str) -> None:
+    assert_parity(ref, got, name)
+    assert abs(got["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"], (
+        f"{name}: validation loss {got['val_loss']} vs one process {ref['val_loss']}")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    return {"tied": run_case(["parallel.strategy=none"], STEPS, out / "tied"),
+            "untied": run_case(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied")}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two")
+    launch(2, out, {**TWO, **TWO_UNTIED})
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    out = tmp_path_factory.mktemp("four")
+    launch(4, out, FOUR, [APP + APP_MESH + [f"trainer.run_dir={out / 'app'}"]])
+    return out
+
+
+@pytest.mark.parametrize("name", list(TWO) + list(TWO_UNTIED))
+def test_parity_two_processes(references, two, name):
+    ref = references["untied" if name in TWO_UNTIED else "tied"]
+    assert_case(ref, load_case(two, name), name)
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_parity_four_processes(references, four, name):
+    assert_case(references["tied"], load_case(four, name), name)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_app_trains_evaluates_samples_exports_and_reshards(four, tmp_path):
+    """main.py at tp=2 x pp=2 (interleaved, vocab-parallel) writes what one process writes, and
+    its pp x tp snapshot resumes in one process."""
+    assert json.loads((four / "app_exit_codes.json").read_text()) == [0]
+    mesh_dir, ref_dir = four / "app", tmp_path / "one"
+    assert app.main(APP + ["parallel.strategy=none", f"trainer.run_dir={ref_dir}"]) == 0
+    got, ref = _metrics(mesh_dir), _metrics(ref_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(ref, got):
+        for key in ("loss", "val_loss"):
+            if key in a:
+                assert abs(b[key] - a[key]) <= 1e-4 * a[key], f"step {a['step']} {key}: {b[key]} vs {a[key]}"
+    mesh_pt = torch.load(mesh_dir / "model.pt", weights_only=True)["model"]
+    ref_pt = torch.load(ref_dir / "model.pt", weights_only=True)["model"]
+    assert {k: v.shape for k, v in mesh_pt.items()} == {k: v.shape for k, v in ref_pt.items()}
+    assert (mesh_dir / "sample.txt").read_text(encoding="utf-8")
+    # Resume the tp x pp snapshot (DTensor shards, per-stage keys) in one process, and the
+    # one-process run likewise: the two continue the same curve.
+    for run_dir in (mesh_dir, ref_dir):
+        assert app.main(APP + ["parallel.strategy=none", f"trainer.run_dir={run_dir}",
+                               "trainer.max_steps=12"]) == 0
+    got, ref = _metrics(mesh_dir)[-1], _metrics(ref_dir)[-1]
+    assert got["step"] == ref["step"] == 12
+    assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"]
+
+
+# ----------------------------------------------------------------------------- layout errors
+
+BAD_CONFIGS = [
+    (["parallel.pp=2", "parallel.pp_split=3,x"], "parallel.pp_split='3,x' must be comma-separated"),
+    (["parallel.pp=2", "parallel.pp_split=2,1"], "sums to 3 blocks but model.n_layer=4"),
+    (["parallel.pp=2", "parallel.pp_split=4"], "has 1 stages but pp x pp_stages_per_rank = 2"),
+    (["parallel.pp=2", "model.n_layer=3"], "set parallel.pp_split, e.g. '1,2'"),
+    (["parallel.pp=4", "model.n_layer=3"], "fewer than the 4 pipeline stages"),
+    (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "pp_schedule=1f1b runs one stage per rank"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
+    (["parallel.pp=2", "parallel.microbatches=1"], "parallel.microbatches=1 is below parallel.pp=2"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.block_size=15"],
+     "model.block_size=15 is not divisible by parallel.tp=2"),
+    (["parallel.tp=3"], "model.n_head=4 is not divisible by parallel.tp=3"),
+    (["parallel.pp_split=3,1"], "parallel.pp_split only applies with parallel.pp > 1"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel only applies with parallel.tp > 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS)
+def test_bad_config_is_one_line_usage_error(overrides, message):
+    with pytest.raises(UsageError) as e:
+        load_config(None, TINY + overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+BAD_LAYOUTS = [  # (world size, overrides, message): checked before any process group work
+    (3, ["parallel.tp=2"], "world size 3 is not divisible by parallel.tp * parallel.pp = 2"),
+    (4, ["parallel.pp=2", "trainer.micro_batch_size=3"],
+     "trainer.micro_batch_size=3 x parallel.microbatches=1 != per-rank batch 4"),
+    (2, ["parallel.pp=2", "trainer.micro_batch_size=0", "parallel.microbatches=3"],
+     "does not split into 3 pipeline micro-batches"),
+    (2, ["parallel.pp=2", "trainer.batch_size=10", "trainer.micro_batch_size=0", "parallel.microbatches=5",
+         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"],
+     "parallel.microbatches=5 must be a multiple of 2"),
+    (4, ["parallel.strategy=ddp", "parallel.tp=2"], "parallel.strategy=ddp cannot data-parallelize"),
+    (4, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], "zero_bubble does not compose with data"),
+]
+
+
+@pytest.mark.parametrize("world,overrides,message", BAD_LAYOUTS)
+def test_bad_layout_is_one_line_usage_error(world, overrides, message):
+    cfg = load_config(None, TINY + overrides)
+    with pytest.raises(UsageError) as e:
+        strategy_class(cfg.parallel.strategy)(cfg, DistEnv(world_size=world), None)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_good_layouts_pick_microbatches_and_tracker_rank():
+    """micro_batch_size fixes the pipeline micro-batch; the tracker is the last stage's first rank."""
+    cfg = load_config(None, TINY + ["parallel.pp=2"])  # batch 8, micro 2, dp 2 -> 2 micro-batches
+    s = strategy_class("ddp")(cfg, DistEnv(world_size=4), None)
+    assert (s.micro_batch_size, s.tracker_rank) == (2, 2)
+    cfg = load_config(None, TINY + ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                                    "parallel.pp_stages_per_rank=2", "trainer.micro_batch_size=0"])
+    s = strategy_class("none")(cfg, DistEnv(world_size=2), None)
+    assert (s.micro_batch_size, s.tracker_rank) == (4, 0)  # V-shape: rank 0 holds the last stage
