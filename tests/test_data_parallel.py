@@ -6,7 +6,8 @@
 - per-rank resident bytes (read from the local tensors) against the ZeRO formulas;
 - state dicts: written by zero/fsdp, loaded into another strategy and world size, bit-exact;
 - the whole app (main.main) for every strategy: trains, evaluates (val loss averaged over dp
-  ranks = one process's), writes model.pt, one process prints and logs;
+  ranks = one process's), writes model.pt, one process prints and logs; a zero-2 snapshot
+  resumed by fsdp ends where uninterrupted training does;
 - bad input: one line, exit code 2.
 Launches: one 2-process + one 4-process tests/dp_worker.py, one 2-process tests/app_worker.py,
 one single-process `python main.py parallel.strategy=dp`; everything else runs in this process.
@@ -243,7 +244,9 @@ APP = {  # strategy -> overrides; every run: TINY, 10 steps, eval at 5 and 10
 
 
 def app_args(run_dir: Path, overrides: str) -> str:
-    return " ".join(TINY + [f"trainer.run_dir={run_dir}", "trainer.max_steps=10", overrides])
+    # lr_decay_steps = max_steps, spelled out so that a run cut at step 5 follows the same schedule
+    return " ".join(TINY + [f"trainer.run_dir={run_dir}", "trainer.max_steps=10", "optimizer.lr_decay_steps=10",
+                            overrides])
 
 
 def final_val_loss(run_dir: Path) -> float:
@@ -273,10 +276,13 @@ def test_whole_app_every_strategy(tmp_path):
     args = []
     for name, overrides in APP.items():
         args += ["--app", app_args(tmp_path / name, overrides)]
+    # a snapshot written by zero-2 at step 5, resumed by fsdp up to step 10 (the real snapshot path)
+    args += ["--app", app_args(tmp_path / "resumed", ZERO + "2 trainer.max_steps=5"),
+             "--app", app_args(tmp_path / "resumed", "parallel.strategy=fsdp")]
     args += ["--app", app_args(tmp_path / "dp-multi", "parallel.strategy=dp")]  # must refuse
     r = torchrun(2, ["tests/app_worker.py", "--out", str(tmp_path), *args])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert json.loads((tmp_path / "exit_codes.json").read_text()) == [0] * len(APP) + [2]
+    assert json.loads((tmp_path / "exit_codes.json").read_text()) == [0] * (len(APP) + 2) + [2]
     errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and "parallel.strategy=dp drives all GPUs from ONE process" in errors[0], errors
     for name in APP:
@@ -285,6 +291,9 @@ def test_whole_app_every_strategy(tmp_path):
         assert r.stdout.count(f"outputs in {run_dir}\n") == 1, f"{name}: 'done' must be printed once"
         val = final_val_loss(run_dir)  # mean over both dp ranks' halves = one process's loss
         assert abs(val - reference) <= 1e-4 * reference, f"{name}: val loss {val} vs one process {reference}"
+    assert f"resumed from {tmp_path / 'resumed' / 'snapshots' / 'step_0000005'} at step 5" in r.stdout
+    val = final_val_loss(tmp_path / "resumed")
+    assert abs(val - reference) <= 1e-4 * reference, f"zero-2 -> fsdp resume: val loss {val} vs {reference}"
 
 
 # ----------------------------------------------------------------------------- bad input
