@@ -212,6 +212,7 @@ class Pipeline:
         self.holds_last = self.num_stages - 1 in self.stage_ids
         self.tied = cfg.model.tie_weights
         self.tied_group = self._tied_weight_group(mesh, placement) if self.tied else None
+        self.stages: list[PipelineStage] = []
         self.schedule: _PipelineSchedule | None = None
         self.state_view: nn.Module | None = None
         self._loss_fn: Callable | None = None
@@ -249,6 +250,7 @@ class Pipeline:
         group = self.pp_mesh.get_group()
         stages = [_Stage(w, s, self.num_stages, self.device, group=group)
                   for w, s in zip(wrapped, self.stage_ids)]
+        self.stages = stages  # torch PipelineStage objects (benchmarks/pp_bubble.py times them)
         cls = schedule_class(self.cfg)
         target = stages[0] if _single_stage(cls) else stages
         self.schedule = cls(target, n_microbatches=self.microbatches, loss_fn=self._loss,

@@ -1,0 +1,74 @@
+"""The full 3-D mesh: dp=2 x tp=2 x pp=2 on 8 processes (CPU, gloo) against one process.
+
+Trains the tests' TINY model for 10 steps with FSDP2 over dp, Megatron TP over tp and a 1F1B
+pipeline over pp (tied embedding/head: first and last stage sum its gradient), in ONE 8-process
+launch, and checks parity with a single process exactly as tests/test_tp_pp.py does: first-step
+gradients <= 1e-6 abs, loss at each step <= 1e-4 relative, validation loss after the last step.
+Optionally also the whole app (main.py) on the same mesh. Kept out of the pytest suite because 8
+processes on a 2-core CI machine cost about a minute of mostly process start-up; run it by hand or
+in a nightly job:
+
+    python benchmarks/mesh_2x2x2.py            # parity case, prints the per-step losses
+    python benchmarks/mesh_2x2x2.py --app      # + main.py on the same mesh (train, eval, sample, model.pt)
+Exit status 0 = parity holds (and the app run succeeded).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from harness import TINY, torchrun  # noqa: E402
+from parity import assert_parity, load_case  # noqa: E402
+from tp_pp_worker import run_case  # noqa: E402
+
+STEPS = 10
+MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=1f1b"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--app", action="store_true", help="also run main.py on the 2x2x2 mesh")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        ref = run_case(["parallel.strategy=none"], STEPS, out / "ref")
+        cmd = ["tests/tp_pp_worker.py", "--out", str(out), "--steps", str(STEPS), "--case", "mesh", MESH]
+        if args.app:
+            cmd += ["--app", " ".join(TINY + MESH.split() + ["trainer.max_steps=10",
+                                                              f"trainer.run_dir={out / 'app'}"])]
+        t0 = time.perf_counter()
+        r = torchrun(8, cmd, timeout=300)
+        wall = time.perf_counter() - t0
+        if r.returncode != 0:
+            print(r.stdout[-3000:], r.stderr[-3000:], sep="\n")
+            return 1
+        got = load_case(out, "mesh")
+        print(f"8-process launch: {wall:.0f} s wall (dp=2 x tp=2 x pp=2, {STEPS} steps + eval)")
+        print("step  one process   2x2x2 mesh")
+        for i, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
+            print(f"{i:4d}  {a:.7f}   {b:.7f}")
+        print(f"val   {ref['val_loss']:.7f}   {got['val_loss']:.7f}")
+        worst = max((got["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items())
+        print(f"first-step gradients: max abs difference {worst:.1e} over {len(ref['grads'])} tensors")
+        assert_parity(ref, got, "dp2 x tp2 x pp2")
+        assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"]
+        if args.app:
+            codes = json.loads((out / "app_exit_codes.json").read_text())
+            files = sorted(p.name for p in (out / "app").iterdir())
+            print(f"main.py on the mesh: exit {codes[0]}, wrote {', '.join(files)}")
+            if codes != [0] or "model.pt" not in files:
+                return 1
+        print("parity: OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
