@@ -28,6 +28,8 @@ from model import GPT, lm_loss
 from parallel.mesh import DistEnv, build_mesh, mesh_shape
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Optimizer param-group keys that choose the kernel, not training state.
+OPTIMIZER_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -342,8 +344,13 @@ class Strategy:
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
+        kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g} for g in optimizer.param_groups]
         set_state_dict(self._state_module(), optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        # The snapshot's param groups carry the kernel flags of the strategy that wrote it (fused
+        # AdamW for plain tensors); this layout keeps its own (e.g. DTensor params cannot be fused).
+        for group, kernel in zip(optimizer.param_groups, kernels):
+            group.update(kernel)
         self.after_optimizer_step()
 
     def _state_module(self) -> nn.Module:
