@@ -373,10 +373,6 @@ class Strategy:
         dist.gather_object(sd, parts, dst=0, group=self.mesh["pp"].get_group())
         return {k: v for part in parts for k, v in part.items()} if self.env.rank == 0 else None
 
-    def sampling_model(self) -> nn.Module | None:
-        """A plain module for generate() on rank 0 (None elsewhere)."""
-        return self.unwrapped()[0] if self.env.rank == 0 else None
-
     def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank actually holds for parameters, gradients and optimizer state, read from
         the local tensors (a DTensor counts its local shard; a shared tensor counts once)."""
