@@ -323,7 +323,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
                          f"attention heads are split across tensor-parallel ranks")
     _check_options_belong(p)
-    _check_model_split(m, p)
+    _check_model_split(m, t, p)
     _validate_wandb(w)
 
 
@@ -366,7 +366,7 @@ _STRATEGY_ONLY = {
 }
 
 
-def _check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
+def _check_model_split(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> None:
     """Tensor/pipeline-parallel checks that need only the config (batch checks need the world
     size: parallel.pp.pipeline_microbatches)."""
     if p.sequence_parallel and m.block_size % p.tp:
@@ -399,6 +399,9 @@ def _check_model_split(m: ModelConfig, p: ParallelConfig) -> None:
     if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
         raise UsageError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2; "
                          "set it to 2, or use 1f1b")
+    if p.pp_schedule == "zero_bubble" and t.compile:
+        raise UsageError("parallel.pp_schedule=zero_bubble splits backward into input and weight passes, "
+                         "which torch.compile does not support; set trainer.compile=false or use 1f1b")
     if p.microbatches and p.pp_schedule != "gpipe" and p.microbatches < p.pp:
         raise UsageError(f"parallel.microbatches={p.microbatches} is below parallel.pp={p.pp}; "
                          f"{p.pp_schedule} needs at least one micro-batch per stage (or use gpipe)")

@@ -3,8 +3,9 @@
 Parity (tests/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 10 steps <= 1e-4
 relative, plus the validation loss after the last step (Trainer.evaluate: under pp the
 schedule's forward-only pass, loss on the last stage). Two launches cover every case:
-  2 processes: tp=2 (replicated head), tp=2 vocab-parallel + sequence-parallel, pp=2 with each
-               schedule (tied weights), pp=2 untied with an uneven split;
+  2 processes: tp=2 (replicated head), tp=2 vocab-parallel + sequence-parallel + activation
+               checkpointing, pp=2 with each schedule (tied weights), pp=2 untied with an uneven
+               split and activation checkpointing;
   4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), tp=2 x pp=2 (ZB-V, vocab-parallel, SP),
                and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
                process (a pp x tp snapshot resharded to pp = tp = 1).
@@ -31,14 +32,16 @@ VAL_RTOL = 1e-4
 
 TWO = {
     "tp2": "parallel.tp=2",
-    "tp2_vocab_sp": "parallel.tp=2 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true",
+    "tp2_vocab_sp_ac": ("parallel.tp=2 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true "
+                        "parallel.activation_checkpointing=true"),
     "pp2_gpipe": "parallel.pp=2 parallel.pp_schedule=gpipe",
     "pp2_1f1b": "parallel.pp=2 parallel.pp_schedule=1f1b",
     "pp2_interleaved": "parallel.pp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
     "pp2_zbv": "parallel.pp=2 parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2",
     "pp2_zb": "parallel.pp=2 parallel.pp_schedule=zero_bubble",
 }
-TWO_UNTIED = {"pp2_untied_split31": "parallel.pp=2 parallel.pp_split=3,1 model.tie_weights=false"}
+TWO_UNTIED = {"pp2_untied_split31_ac": ("parallel.pp=2 parallel.pp_split=3,1 model.tie_weights=false "
+                                        "parallel.activation_checkpointing=true")}
 FOUR = {
     "fsdp_dp2_tp2": "parallel.strategy=fsdp parallel.tp=2",
     "ddp_dp2_pp2": "parallel.strategy=ddp parallel.pp=2",
@@ -140,6 +143,8 @@ BAD_CONFIGS = [
     (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "pp_schedule=1f1b runs one stage per rank"),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
     (["parallel.pp=2", "parallel.microbatches=1"], "parallel.microbatches=1 is below parallel.pp=2"),
+    (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "trainer.compile=true"],
+     "which torch.compile does not support"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "model.block_size=15"],
      "model.block_size=15 is not divisible by parallel.tp=2"),
     (["parallel.tp=3"], "model.n_head=4 is not divisible by parallel.tp=3"),
