@@ -7,6 +7,13 @@ strategy lives in its own file (`ddp.py`, `zero.py`, `fsdp.py`, `dp.py`) and ove
 hooks it changes: how the model is wrapped (`wrap_data_parallel`), how accumulation skips
 communication (`no_sync`), the optimizer, the grad scaler, clipping and state dicts.
 
+Model parallelism composes with any of them here, in `parallelize`: pipeline split on mesh["pp"]
+(parallel/pp.py) -> tensor parallel on mesh["tp"] per stage (parallel/tp.py) -> activation
+checkpointing -> `wrap_data_parallel(part)` per stage on mesh["dp"] -> compile. With pp > 1,
+forward_backward/eval_loss delegate to a `parallel.pp.Pipeline` (one schedule step per optimizer
+step, loss on the last stage), and `unwrapped()` is its GPT-shaped view of this rank's stages, so
+optimizer groups, clipping, gradients and DCP state keep plain one-process parameter names.
+
 Layout of one step, as the Trainer drives it:
     loss = strategy.forward_backward(x, y, scale_loss)   # this rank's (B/dp, T) share
     scaler.unscale_(optimizer)                           # fp16 only
