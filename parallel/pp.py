@@ -59,10 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import Config, UsageError
 from model import GPT
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from parallel import local_tensor
 
 
 # ----------------------------------------------------------------------------- layout rules
@@ -98,7 +95,7 @@ def last_stage_pp_rank(cfg: Config) -> int:
 def pipeline_microbatches(cfg: Config, per_rank_batch: int) -> int:
     """Pipeline micro-batches per optimizer step for this per-rank batch, or a UsageError."""
     p, t = cfg.parallel, cfg.trainer
-    m = p.microbatches or (per_rank_batch // t.micro_batch_size if t.micro_batch_size else p.pp)
+    m = p.microbatches or (max(1, per_rank_batch // t.micro_batch_size) if t.micro_batch_size else p.pp)
     if per_rank_batch % m:
         raise UsageError(f"the per-rank batch {per_rank_batch} (= trainer.batch_size / dp) does not split "
                          f"into {m} pipeline micro-batches; make trainer.batch_size a multiple of "
