@@ -6,7 +6,8 @@ schedule's forward-only pass, loss on the last stage). Two launches cover every 
   2 processes: tp=2 (replicated head), tp=2 vocab-parallel + sequence-parallel + activation
                checkpointing, pp=2 with each schedule (tied weights), pp=2 untied with an uneven
                split and activation checkpointing;
-  4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), tp=2 x pp=2 (ZB-V, vocab-parallel, SP),
+  4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), pp=4 (middle stages hold no tied copy),
+               tp=2 x pp=2 (ZB-V, vocab-parallel, SP),
                and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
                process (a pp x tp snapshot resharded to pp = tp = 1).
 Layout errors are checked in-process (no process group): one line, UsageError.
@@ -45,6 +46,7 @@ TWO_UNTIED = {"pp2_untied_split31_ac": ("parallel.pp=2 parallel.pp_split=3,1 mod
 FOUR = {
     "fsdp_dp2_tp2": "parallel.strategy=fsdp parallel.tp=2",
     "ddp_dp2_pp2": "parallel.strategy=ddp parallel.pp=2",
+    "pp4_1f1b": "parallel.pp=4 parallel.pp_schedule=1f1b",
     "tp2_pp2_zbv_vocab_sp": ("parallel.tp=2 parallel.pp=2 parallel.pp_schedule=zero_bubble "
                              "parallel.pp_stages_per_rank=2 parallel.tp_vocab_parallel=true "
                              "parallel.sequence_parallel=true"),
