@@ -118,11 +118,6 @@ class Strategy:
                              f"divisor of {self.per_rank_batch}")
 
     @property
-    def is_main(self) -> bool:
-        """The one process that prints progress."""
-        return self.env.rank == 0
-
-    @property
     def tracker_rank(self) -> int:
         """Global rank of the one process that writes metrics and talks to wandb: it holds the
         reduced loss (global rank 0, or the first rank of the last pipeline stage)."""
