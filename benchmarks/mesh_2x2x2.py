@@ -4,9 +4,8 @@ Trains the tests' TINY model for 10 steps with FSDP2 over dp, Megatron TP over t
 pipeline over pp (tied embedding/head: first and last stage sum its gradient), in ONE 8-process
 launch, and checks parity with a single process exactly as tests/test_tp_pp.py does: first-step
 gradients <= 1e-6 abs, loss at each step <= 1e-4 relative, validation loss after the last step.
-Optionally also the whole app (main.py) on the same mesh. Kept out of the pytest suite because 8
-processes on a 2-core CI machine cost about a minute of mostly process start-up; run it by hand or
-in a nightly job:
+Optionally also the whole app (main.py) on the same mesh. tests/test_mesh_2x2x2.py runs it with
+--app in CI (about a minute on 2 cores, mostly the start-up of 8 processes):
 
     python benchmarks/mesh_2x2x2.py            # parity case, prints the per-step losses
     python benchmarks/mesh_2x2x2.py --app      # + main.py on the same mesh (train, eval, sample, model.pt)
