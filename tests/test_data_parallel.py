@@ -216,12 +216,12 @@ def assert_same_state(expected: dict, got: dict, name: str) -> None:
 
 
 def test_state_dict_loads_across_strategies_and_world_sizes(two, four, tmp_path):
-    expected = {name: torch.load(two / f"ckpt-{name}.expected.pt", weights_only=False) for name in SAVE}
+    expected = {name: torch.load(two / f"ckpt-{name}.expected.pt", weights_only=True) for name in SAVE}
     assert any(k.startswith("optim.") and k.endswith(".exp_avg") for k in expected["zero2"]["tensors"])
     for ckpt, name, _ in LOAD_TWO:
-        assert_same_state(expected[ckpt], torch.load(two / f"{name}.pt", weights_only=False), f"{name} (2 ranks)")
+        assert_same_state(expected[ckpt], torch.load(two / f"{name}.pt", weights_only=True), f"{name} (2 ranks)")
     for ckpt, name, _ in LOAD_FOUR:
-        assert_same_state(expected[ckpt], torch.load(four / f"{name}.pt", weights_only=False), f"{name} (4 ranks)")
+        assert_same_state(expected[ckpt], torch.load(four / f"{name}.pt", weights_only=True), f"{name} (4 ranks)")
     # ... and into one process without a process group (parallel.strategy=none)
     import torch.distributed.checkpoint as dcp
     from dp_worker import build, whole_state
