@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from harness import TINY, run_steps  # noqa: E402
+from harness import TINY, save_cases  # noqa: E402
 
 SAVE_STEPS = 3
 GROUP_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "eps", "params")
@@ -111,11 +111,7 @@ def main() -> None:
     ap.add_argument("--buckets", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
-    for name, overrides in args.case:
-        result = run_steps(overrides.split(), args.steps, out / f"run-{name}")
-        if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}.pt")
-        dist.barrier()
+    save_cases(args.case, args.steps, out)
     for name, overrides in args.save:
         save(name, overrides, out)
         dist.barrier()

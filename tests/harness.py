@@ -65,10 +65,12 @@ def python(args: list[str], timeout: float = 300, cwd: Path = REPO, **env) -> su
                           text=True, timeout=timeout)
 
 
-def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: int = 1) -> dict:
+def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: int = 1,
+              evaluate: bool = False) -> dict:
     """Train `steps` steps of TINY + overrides in this process's launch (single process or one
     rank of torchrun). Returns losses (dp-mean, every step), first-step gradients (whole, by
-    name), and each rank's resident bytes after the backward of step `memory_at_step`."""
+    name), each rank's resident bytes after the backward of step `memory_at_step`, and with
+    `evaluate` the validation loss after the last step (Trainer.evaluate)."""
     import torch.distributed as dist
 
     from config import load_config
@@ -92,8 +94,24 @@ def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: i
                 dist.all_gather_object(memory, mine)
         trainer.optimizer_step()
         losses.append(float(s.reduce_mean(loss)))
-    return {"losses": losses, "grads": grads, "memory": memory, "world": env.world_size,
-            "num_params": s.num_params, "dp": s.dp_size}
+    result = {"losses": losses, "grads": grads, "memory": memory, "world": env.world_size,
+              "num_params": s.num_params, "dp": s.dp_size}
+    if evaluate:
+        result["val_loss"] = trainer.evaluate()
+    return result
+
+
+def save_cases(cases: list[tuple[str, str]], steps: int, out: Path, **run_kwargs) -> None:
+    """For a torchrun worker: run each (name, "overrides") case with run_steps in this launch's
+    process group and save rank 0's result to OUT/NAME.pt."""
+    import torch
+    import torch.distributed as dist
+
+    for name, overrides in cases:
+        result = run_steps(overrides.split(), steps, out / f"run-{name}", **run_kwargs)
+        if dist.get_rank() == 0:
+            torch.save(result, out / f"{name}.pt")
+        dist.barrier()
 
 
 def worker_pids(parent_pid: int) -> list[int]:

@@ -17,29 +17,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness import TINY  # noqa: E402
+from harness import run_steps, save_cases  # noqa: E402
 
 
 def run_case(overrides: list[str], steps: int, run_dir: Path) -> dict:
-    from config import load_config
-    from main import build_trainer
-    from parallel.mesh import init_distributed
-
-    cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}"] + list(overrides))
-    env = init_distributed(cfg)
-    trainer = build_trainer(cfg, env, run_dir)
-    s = trainer.strategy
-    losses, grads = [], None
-    for step in range(steps):
-        loss = trainer.forward_backward()
-        if step == 0:
-            grads = s.full_grad_dict()
-        trainer.optimizer_step()
-        losses.append(float(s.reduce_mean(loss)))
-    return {"losses": losses, "grads": grads, "val_loss": trainer.evaluate()}
+    """harness.run_steps plus the validation loss after the last step."""
+    return run_steps(overrides, steps, run_dir, evaluate=True)
 
 
 def main() -> None:
@@ -50,11 +35,7 @@ def main() -> None:
     ap.add_argument("--app", action="append", default=[], help="space-separated main.py overrides")
     args = ap.parse_args()
     out = Path(args.out)
-    for name, overrides in args.case:
-        result = run_case(overrides.split(), args.steps, out / f"run-{name}")
-        if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}.pt")
-        dist.barrier()
+    save_cases(args.case, args.steps, out, evaluate=True)
     import main as app
     import parallel.mesh
     parallel.mesh.shutdown = lambda: None  # keep the group for the next run of this launch
