@@ -35,7 +35,8 @@ def measure_cpu_matmul_peak(n: int = 1024, repeats: int = 5, min_seconds: float 
     threads = torch.get_num_threads()
     if threads in _cpu_peak_cache and not refresh:
         return _cpu_peak_cache[threads]
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    g = torch.Generator().manual_seed(0)  # its own RNG: measuring must not shift training's stream
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b  # warm-up (thread pool, caches)
     best, runs, start = float("inf"), 0, time.perf_counter()
     while runs < repeats or time.perf_counter() - start < min_seconds:
