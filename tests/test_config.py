@@ -117,6 +117,7 @@ BAD_INPUTS = {
     "truncate": (["data.truncate=-1"], "data.truncate must be >= 0"),
     "val_fraction": (["data.val_fraction=1.5"], "between 0 and 1"),
     "empty path": (["data.path="], "data.path is empty"),
+    "offline_fallback": (["data.offline_fallback=maybe"], "data.offline_fallback' must be true or false"),
     "n_layer": (["model.n_layer=0"], "model.n_layer must be > 0"),
     "n_head": (["model.n_head=0"], "model.n_head must be > 0"),
     "block_size": (["model.block_size=-4"], "model.block_size must be > 0"),
