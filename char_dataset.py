@@ -258,6 +258,18 @@ class CharDataset:
         self.n_windows = (self.train.numel() - 1 - (block_size - 1)) // block_size
         self._perm_cache: tuple[int, torch.Tensor, int] | None = None
         self._arange = torch.arange(block_size + 1)
+        self._digest: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the whole token stream (train + val): the corpus as this run reads it, so a
+        resume can tell whether the text under data.path changed (its path may change freely)."""
+        if self._digest is None:
+            h = hashlib.sha256()
+            for part in (self.train, self.val):
+                h.update(part.to(torch.int64).numpy().tobytes())
+            self._digest = h.hexdigest()
+        return self._digest
 
     def steps_per_epoch(self, global_batch: int) -> int:
         return self.n_windows // global_batch
