@@ -228,14 +228,21 @@ def _fault_point(where: str, step: int, rank: int) -> None:
         os.kill(os.getpid(), 9)
 
 
+def _cuda_in_use() -> bool:
+    """Does this process draw random numbers on a CUDA device (dropout on GPU)?"""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def rng_state() -> dict[str, torch.Tensor]:
+    """This process's generator states: the CPU one, and the current CUDA device's when CUDA is in
+    use (dropout on GPU draws from it; without it a resumed GPU run replays step 0's masks)."""
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and _cuda_in_use():
         torch.cuda.set_rng_state(state["cuda"])
