@@ -44,7 +44,7 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
                               save_tokenizer)
     from model import GPT, GPTConfig
     from parallel import build_strategy
-    from trainer import Trainer
+    from trainer import Trainer, seed_rng
 
     strategy = build_strategy(cfg, env)  # layout errors before any work
     if env.rank == 0:
@@ -61,7 +61,7 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
     torch.manual_seed(cfg.trainer.seed)
     gpt_cfg = GPTConfig(vocab_size=tok.vocab_size, **dc.asdict(cfg.model))
     strategy.setup(GPT(gpt_cfg))
-    torch.manual_seed(cfg.trainer.seed + 1 + strategy.dp_rank)  # dropout: distinct per dp rank
+    seed_rng(cfg.trainer.seed, 0, strategy.dp_rank)  # dropout: per dp rank, shared by tp peers
     trainer = Trainer(cfg, data, tok, strategy, run_dir, dc.asdict(gpt_cfg))
     trainer.data_source = source
     return trainer

@@ -47,6 +47,15 @@ def lr_at(step: int, cfg: Config, max_steps: int) -> float:
     return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)
 
 
+def seed_rng(seed: int, step: int, dp_rank: int) -> None:
+    """Seed the CPU and every CUDA generator (what dropout draws from) from (seed, step, dp rank).
+    Not from the global rank: tensor-parallel peers must draw the same dropout masks, since tp
+    treats the activations they drop as replicated (different masks make replicated parameters
+    such as LayerNorm weights drift apart silently). Pipeline stages of one dp rank share it too
+    (they drop different activations)."""
+    torch.manual_seed(seed + 1 + dp_rank + 1_000_003 * step)
+
+
 def total_steps(cfg: Config, data: CharDataset) -> int:
     """trainer.max_epochs (when > 0) converted to optimizer steps, else trainer.max_steps."""
     t = cfg.trainer
@@ -74,8 +83,8 @@ class Trainer:
         data.check_batch(cfg.trainer.batch_size)
         self.batching = Batching(cfg.trainer.batch_size, strategy.dp_rank, strategy.dp_size)
         self.optimizer = strategy.build_optimizer()
-        base_lr = cfg.optimizer.lr
-        self.scheduler = LambdaLR(self.optimizer, lambda s: lr_at(s, cfg, self.max_steps) / base_lr)
+        self._lr_factor = lambda s: lr_at(s, cfg, self.max_steps) / cfg.optimizer.lr
+        self.scheduler = LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = strategy.make_grad_scaler()
         self.step = 0
         self.tracker = NullTracker()
@@ -88,17 +97,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ resume state
 
+    def _rng_key(self, device: str) -> str:
+        """DCP key (under "rng") of this rank's generator state of `device` (cpu or cuda)."""
+        return f"rank{self.strategy.env.rank}" + ("" if device == "cpu" else f"_{device}")
+
     def state_tensors(self) -> dict:
         state = self.strategy.state_dict(self.optimizer)
-        state["rng"] = {f"rank{self.strategy.env.rank}": rng_state()["cpu"]}
+        state["rng"] = {self._rng_key(dev): t for dev, t in rng_state().items()}
         return state
+
+    def data_stream(self) -> dict:
+        """What fixes which tokens are trained on, in which order, and which are held out for
+        validation (batches are a pure function of these and the step): a resume must keep them."""
+        c = self.cfg
+        return {"corpus_sha256": self.data.digest, "data.truncate": c.data.truncate,
+                "data.val_fraction": c.data.val_fraction, "data.tokenizer": c.data.tokenizer,
+                "trainer.seed": c.trainer.seed, "trainer.batch_size": c.trainer.batch_size,
+                "model.block_size": c.model.block_size}
+
+    def layout(self) -> dict:
+        return {"pp": self.cfg.parallel.pp, "dp": self.strategy.dp_size, "tp": self.cfg.parallel.tp}
 
     def state_meta(self) -> dict:
         env = self.strategy.env
         return {
             "step": self.step,
-            "data_position": {"step": self.step, "global_batch": self.cfg.trainer.batch_size,
-                              "seed": self.cfg.trainer.seed},
+            "data_position": {"step": self.step, **self.data_stream()},
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "tracker_run_id": self.tracker_run_id,
@@ -108,7 +132,7 @@ class Trainer:
             "tokenizer": self.tokenizer.to_dict(),
             "world_size": env.world_size,
             "strategy": self.cfg.parallel.strategy,
-            "mesh": {"pp": self.cfg.parallel.pp, "dp": self.strategy.dp_size, "tp": self.cfg.parallel.tp},
+            "mesh": self.layout(),
         }
 
     def save_snapshot(self) -> Path:
@@ -129,27 +153,73 @@ class Trainer:
                                  f"snapshot; set trainer.resume=auto to start fresh")
             return None
         path, meta = found
-        if meta.get("fingerprint") != self.cfg.model_fingerprint():
-            old = meta.get("config", {}).get("model", {})
-            raise UsageError(f"snapshot {path} was trained with a different model shape ({old}); use "
-                             f"the same model.* and data.tokenizer settings or another trainer.run_dir")
+        self._refuse_another_run(path, meta)
+        # The optimizer hyper-parameters as this config builds them: they, not the snapshot's,
+        # run from the resume step on (put back after loading, below).
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         tensors = self.state_tensors()
-        same_world = meta.get("world_size") == self.strategy.env.world_size
-        rng_key = f"rank{self.strategy.env.rank}"
-        if not (same_world and f"rng.{rng_key}" in self.snapshots.stored_keys(path)):
+        # A rank's saved RNG streams belong to its position in the snapshot's (pp, dp, tp) mesh;
+        # in another layout (or world size) that position may hold another role (a dp=2 rank 1
+        # becomes a tp=2 peer of rank 0), so the streams are then derived from (seed, step, dp rank).
+        stored = self.snapshots.stored_keys(path)
+        if meta.get("mesh") != self.layout() or meta.get("world_size") != self.strategy.env.world_size \
+                or not all(f"rng.{k}" in stored for k in tensors["rng"]):
             tensors.pop("rng")
         self.snapshots.load(path, tensors)
         self.strategy.load_state_dict(tensors, self.optimizer)
-        self.scheduler.load_state_dict(meta["scheduler"])
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
         self.step = int(meta["step"])
+        # The snapshot's param groups carry the lr, betas and weight decay it was trained with, and
+        # its scheduler the old base lr. Put back the configured ones and rebuild the schedule at
+        # this step (it is a pure function of the step), so what runs is what config.yaml says.
+        for group, mine in zip(self.optimizer.param_groups, configured):
+            group.update(mine)
+        self.scheduler = LambdaLR(self.optimizer, self._lr_factor, last_epoch=self.step - 1)
         if "rng" in tensors:
-            set_rng_state({"cpu": tensors["rng"][rng_key]})
-        else:  # another world size: per-rank streams do not map; derive them from (seed, step, rank)
-            torch.manual_seed(self.cfg.trainer.seed + 7919 * self.step + self.strategy.env.rank)
+            set_rng_state({dev: tensors["rng"][self._rng_key(dev)] for dev in rng_state()})
+        else:
+            seed_rng(self.cfg.trainer.seed, self.step, self.strategy.dp_rank)
         self.tracker_run_id = meta.get("tracker_run_id")
         return {**meta, "path": str(path)}
+
+    def _refuse_another_run(self, path: Path, meta: dict) -> None:
+        """UsageError naming every setting that would make this launch another run than the
+        snapshot's: another data stream (data_stream) or another model shape."""
+        old_cfg = meta.get("config", {})
+        recorded = meta.get("data_position", {})
+
+        def was(dotted: str):
+            section, key = dotted.split(".")
+            return recorded.get(dotted, old_cfg.get(section, {}).get(key))
+
+        def show(v) -> str:
+            return str(v).lower() if isinstance(v, bool) else str(v)
+
+        now = self.data_stream()
+        changes = [f"{k}={show(was(k))} (now {show(v)})" for k, v in now.items()
+                   if k != "corpus_sha256" and was(k) is not None and was(k) != v]
+        stream_changed = bool(changes)
+        old_sha = recorded.get("corpus_sha256")
+        # A changed truncate or tokenizer changes the token stream anyway: name only those.
+        if old_sha and old_sha != now["corpus_sha256"] and not any(
+                c.startswith(("data.truncate=", "data.tokenizer=")) for c in changes):
+            changes.append(f"corpus sha256={old_sha[:12]} (now {now['corpus_sha256'][:12]}: "
+                           f"another text under data.path)")
+            stream_changed = True
+        shape_changed = meta.get("fingerprint") != self.cfg.model_fingerprint()
+        if shape_changed:
+            current = dataclasses.asdict(self.cfg.model)
+            for k, v in current.items():
+                key = f"model.{k}"
+                if k != "dropout" and key not in now and was(key) is not None and was(key) != v:
+                    changes.append(f"{key}={show(was(key))} (now {show(v)})")
+            if not changes:  # a snapshot without a readable config
+                changes.append(f"model {old_cfg.get('model', {})}")
+        if changes:
+            what = " and ".join(w for w, on in (("model shape", shape_changed), ("data stream", stream_changed)) if on)
+            raise UsageError(f"snapshot {path} was trained with {', '.join(changes)} (a different {what}); "
+                             f"use the snapshot's values or another trainer.run_dir")
 
     # ------------------------------------------------------------------ loop
 
