@@ -10,7 +10,10 @@ over data-parallel ranks and micro-batches. One optimizer step is:
 
 Resume state (`state_tensors` + `state_meta`): model, optimizer, LR scheduler, grad scaler, step
 (which is also the data position: batches are a pure function of (seed, step)), RNG states, and
-the run tracker's id. Snapshot files themselves are `snapshot.py`'s business.
+the run tracker's id. Snapshot files themselves are `snapshot.py`'s business. A resume refuses
+another data stream or model shape (`_refuse_another_run`), runs the configured optimizer
+hyper-parameters and LR schedule from the resume step, and restores the RNG streams only into
+the same (pp, dp, tp) layout (else derives them per dp rank, so tp peers share one).
 """
 from __future__ import annotations
 

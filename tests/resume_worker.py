@@ -24,7 +24,8 @@ from harness import TINY  # noqa: E402
 from main import build_trainer  # noqa: E402
 from parallel.mesh import init_distributed  # noqa: E402
 
-COMMON = TINY + ["model.dropout=0.1", "optimizer.lr_decay_steps=20", "trainer.sample_tokens=0"]
+COMMON = TINY + ["model.dropout=0.1", "optimizer.lr_decay_steps=20", "trainer.sample_tokens=0",
+          "trainer.eval_every=1000", "trainer.eval_batches=1"]
 PHASES = [("dp2", ["parallel.strategy=ddp", "trainer.max_steps=4"]),
           ("dp2_to_tp2", ["parallel.tp=2", "trainer.max_steps=7"]),
           ("tp2_to_tp2", ["parallel.tp=2", "trainer.max_steps=9"])]
