@@ -26,6 +26,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,16 +218,24 @@ def _quiet_single_process():
         yield
 
 
-def _fault_point(where: str, step: int, rank: int) -> None:
-    """Fault injection for the tests: MINGPT_FAULT=kill:save:STEP:RANK SIGKILLs that rank right
-    after it wrote its shards of snapshot STEP (the folder is still temporary), on the first
-    launch attempt only, so the restarted group can finish."""
+def _fault_point(where: str, step: int, rank: int) -> str | None:
+    """Fault injection for the tests, MINGPT_FAULT=ACTION:WHERE:STEP:RANK (STEP may be '*'), on
+    the first launch attempt only, so a restarted group can finish. Actions done here: `kill`
+    SIGKILLs that rank (e.g. at WHERE=save: right after it wrote its shards of snapshot STEP, the
+    folder still temporary); `term` sends it a real SIGTERM at that moment. Any other matching
+    action is returned for the caller to do (trainer.py: `nan` at WHERE=update)."""
     spec = os.environ.get("MINGPT_FAULT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
+        return None
     action, at, at_step, at_rank = spec.split(":")
-    if action == "kill" and at == where and int(at_step) == step and int(at_rank) == rank:
-        os.kill(os.getpid(), 9)
+    if at != where or at_step not in ("*", str(step)) or int(at_rank) != rank:
+        return None
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "term":
+        print(f"[fault] rank {rank} sends itself SIGTERM at {where} of step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return action
 
 
 def _cuda_in_use() -> bool:

@@ -34,7 +34,7 @@ from char_dataset import Batching, CharDataset
 from config import Config, UsageError
 from parallel import Strategy, local_tensor
 from perf import device_peak_flops, mfu
-from snapshot import SnapshotManager, rng_state, set_rng_state
+from snapshot import SnapshotManager, _fault_point, rng_state, set_rng_state
 from tracking import NullTracker, Progress
 
 
@@ -265,6 +265,13 @@ class Trainer:
         loss = self.forward_backward()
         return loss, self.optimizer_step()
 
+    @torch.no_grad()
+    def _poison_if_asked(self) -> None:
+        """Fault injection for the tests: MINGPT_FAULT=nan:update:STEP:RANK makes RANK's first
+        weight NaN right after the update of step STEP (only that rank's copy or shard)."""
+        if _fault_point("update", self.step, self.strategy.env.rank) == "nan":
+            local_tensor(next(self.strategy.unwrapped()[0].parameters())).fill_(float("nan"))
+
     def _reduce_max(self, value: float) -> float:
         if not self.strategy.env.distributed:
             return value
@@ -283,6 +290,7 @@ class Trainer:
             t0 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
             loss, norm = self.train_step()
+            self._poison_if_asked()
             step_times.append(time.perf_counter() - t0)  # train step only: eval/save excluded
             window_time += step_times[-1]
             window_steps += 1
