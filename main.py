@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what SLURM, Kubernetes, torchrun and a terminal send before a kill
 DEFAULT_CONFIG = HERE / "gpt2_train_cfg.yaml"
 
 
@@ -67,6 +70,29 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
     return trainer
 
 
+def train_until_stopped(trainer) -> dict:
+    """trainer.train() with SIGTERM and SIGINT recorded instead of killing the process, so a
+    preempted job stops at a step boundary with a snapshot (see Trainer.train). The default
+    handlers come back afterwards: export and sample run after the final snapshot, so a signal
+    there loses nothing."""
+    if threading.current_thread() is not threading.main_thread():  # Python allows handlers only there
+        return trainer.train()
+    previous = {sig: signal.signal(sig, trainer.stop_request) for sig in STOP_SIGNALS}
+    try:
+        return trainer.train()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_exit_code(signum: int, under_torchrun: bool) -> int:
+    """Exit code of a run stopped by a signal after saving. Under torchrun 0: the agent restarts
+    workers that exit non-zero (--max-restarts), which would undo a stop; when the agent itself
+    got the signal it exits non-zero on its own. A single process exits 128 + signal number,
+    as a shell reports a process ended by that signal, so `python main.py && next` stops."""
+    return 0 if under_torchrun else 128 + signum
+
+
 def run(argv) -> int:
     import torch.distributed as dist
 
@@ -108,7 +134,13 @@ def run(argv) -> int:
                   f"{trainer.max_steps} steps of {cfg.trainer.batch_size} x {cfg.model.block_size} tokens"
                   + (f" | resumed from {meta['path']} at step {trainer.step}" if meta else ""), flush=True)
 
-        summary = trainer.train()
+        summary = train_until_stopped(trainer)
+        if summary.get("stopped"):
+            if strategy.is_tracker:
+                trainer.tracker.finish()
+                print(f"stopped by {signal.Signals(summary['stopped']).name} at step {summary['final_step']}: "
+                      f"saved {summary['snapshot']}; run the same command again to resume", flush=True)
+            return stop_exit_code(summary["stopped"], env.distributed)
 
         # ---- outputs: consolidated weights and a short sample
         sd = trainer.export(run_dir / "model.pt")
@@ -135,12 +167,21 @@ def run(argv) -> int:
 def main(argv=None) -> int:
     _one_line_warnings()
     from config import UsageError
+    from trainer import NonFiniteError
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as e:
+        if os.environ.get("RANK", "0") == "0":
+            kept = (f"the newest snapshot {e.last_snapshot} stays the resume point" if e.last_snapshot
+                    else "no snapshot was written, so a relaunch starts from step 0")
+            print(f"error: training stopped: {e.what}; nothing after it was saved and {kept}; lower "
+                  f"optimizer.lr or trainer.grad_clip (or use trainer.precision=fp32) and relaunch",
+                  file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

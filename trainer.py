@@ -33,6 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from char_dataset import Batching, CharDataset
 from config import Config, UsageError
 from parallel import Strategy, local_tensor
+from parallel.mesh import control_group
 from perf import device_peak_flops, mfu
 from snapshot import SnapshotManager, _fault_point, rng_state, set_rng_state
 from tracking import NullTracker, Progress
@@ -73,6 +74,57 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+_NEVER = 2**62  # "no bad step yet" in a MIN-reduced step number
+
+
+class NonFiniteError(Exception):
+    """The training diverged; raised on every rank at once (the ranks agree before raising)."""
+
+    def __init__(self, what: str, last_snapshot: Path | None):
+        super().__init__(what)
+        self.what, self.last_snapshot = what, last_snapshot
+
+
+class StopRequest:
+    """A signal handler (main.py installs it for SIGTERM and SIGINT) that only records the first
+    signal's number. Nothing is interrupted: not a step, not a collective, not a snapshot write
+    (a second signal during the stop snapshot changes nothing); the loop reads it between steps."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+
+class StopVote:
+    """Every rank must stop at the same step, or the others would wait forever in the next step's
+    collectives. The ranks agree with a MAX all-reduce of the recorded signal number on a gloo
+    group (CPU tensor: no GPU sync), started asynchronously after step k and read after step k+1,
+    so the vote's latency hides behind a whole step. A signal thus stops the run one or two steps
+    after it arrives. One process needs no vote."""
+
+    def __init__(self, request: StopRequest, distributed: bool):
+        self.request, self.pending = request, None
+        self.group = control_group() if distributed else None
+
+    def start(self) -> None:
+        if self.group is not None:
+            flag = torch.tensor([self.request.signum], dtype=torch.int32)
+            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+
+    def result(self) -> int:
+        """The agreed signal number (0: go on)."""
+        if self.group is None:
+            return self.request.signum
+        if self.pending is None:
+            return 0
+        work, flag = self.pending
+        work.wait()
+        self.pending = None
+        return int(flag.item())
+
+
 class Trainer:
     def __init__(self, cfg: Config, data: CharDataset, tokenizer, strategy: Strategy, run_dir: Path,
                  model_config: dict):
@@ -97,6 +149,8 @@ class Trainer:
         self.flops_per_token = strategy.flops_per_token
         self.peak_flops = device_peak_flops(strategy.device, cfg.trainer.precision, cfg.trainer.peak_flops)
         self.last_val_loss: float | None = None
+        self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
+        self.stop_request = StopRequest()
 
     # ------------------------------------------------------------------ resume state
 
@@ -139,7 +193,8 @@ class Trainer:
         }
 
     def save_snapshot(self) -> Path:
-        return self.snapshots.save(self.step, self.state_tensors(), self.state_meta())
+        self.last_snapshot = self.snapshots.save(self.step, self.state_tensors(), self.state_meta())
+        return self.last_snapshot
 
     def resume(self) -> dict | None:
         """Load the newest valid snapshot according to trainer.resume; returns its meta or None."""
@@ -184,6 +239,7 @@ class Trainer:
         else:
             seed_rng(self.cfg.trainer.seed, self.step, self.strategy.dp_rank)
         self.tracker_run_id = meta.get("tracker_run_id")
+        self.last_snapshot = path
         return {**meta, "path": str(path)}
 
     def _refuse_another_run(self, path: Path, meta: dict) -> None:
@@ -279,32 +335,70 @@ class Trainer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
+    def _note_loss(self, loss: torch.Tensor) -> None:
+        """Remember the first step whose loss on this rank was not finite, on the device: no sync
+        here; it is agreed by `_check_finite` on log and save steps only."""
+        self._bad_loss_step.masked_fill_(~torch.isfinite(loss.detach()) & (self._bad_loss_step == _NEVER),
+                                         self.step)
+
+    @torch.no_grad()
+    def _check_finite(self, params: bool) -> None:
+        """Collective. Raises NonFiniteError on every rank if any rank saw a non-finite loss since
+        the run's start (all ranks agree on the first such step), or with `params`, if any
+        rank's parameters are not finite now."""
+        s = self.strategy
+        bad = [self._bad_loss_step]
+        if params:
+            local = [local_tensor(p) for p in {id(p): p for part in s.unwrapped() for p in part.parameters()}.values()]
+            finite = torch.stack([p.isfinite().all() for p in local]).all() if local else torch.tensor(True)
+            bad.append(torch.where(finite, _NEVER, self.step))
+        flags = torch.stack(bad)
+        if s.env.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        loss_step, param_step = (flags.tolist() + [_NEVER])[:2]
+        if loss_step == _NEVER and param_step == _NEVER:
+            return
+        what = (f"the loss became non-finite (nan or inf) at step {loss_step}" if loss_step != _NEVER
+                else f"the parameters became non-finite (nan or inf) in the update of step {param_step}")
+        raise NonFiniteError(what, self.last_snapshot)
+
+    def _save_checked(self) -> Path:
+        self._check_finite(params=True)  # never snapshot a diverged state: it would become the resume point
+        return self.save_snapshot()
+
     def train(self) -> dict:
+        """The step loop. When `self.stop_request` records a signal, every rank stops after the same
+        step and saves a snapshot of it; the summary then holds `stopped` (the signal number) and
+        `snapshot`. Raises NonFiniteError (on every rank) instead of saving a non-finite state."""
         t = self.cfg.trainer
         s = self.strategy
         tokens_per_step = t.batch_size * self.cfg.model.block_size
         progress = Progress(self.max_steps, self.step, enabled=s.is_tracker)
         window_time, window_steps, step_times = 0.0, 0, []
         tokens_per_sec = 0.0
+        vote = StopVote(self.stop_request, s.env.distributed)
+        self._bad_loss_step = torch.full((), _NEVER, dtype=torch.int64, device=s.device)
+        stopped, snapshot = 0, None
         while self.step < self.max_steps:
             t0 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
             loss, norm = self.train_step()
             self._poison_if_asked()
+            self._note_loss(loss)
             step_times.append(time.perf_counter() - t0)  # train step only: eval/save excluded
             window_time += step_times[-1]
             window_steps += 1
             row = {}
             last = self.step == self.max_steps
+            stop = vote.result()
             if self.step % t.log_every == 0 or last:
+                self._check_finite(params=False)
                 loss_v = float(s.reduce_mean(loss))
                 tokens_per_sec = tokens_per_step * window_steps / window_time
                 row.update(loss=loss_v, lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
                            mfu=mfu(self.flops_per_token, tokens_per_sec, self.peak_flops, s.env.world_size),
                            step_time_ms=1000 * window_time / window_steps,
                            peak_mem_mb=self._reduce_max(peak_memory_bytes(s.device)) / 2**20)
-                if not math.isfinite(loss_v):
-                    raise FloatingPointError(f"loss became {loss_v} at step {self.step}")
                 progress.update(self.step, row)
                 window_time, window_steps = 0.0, 0
             if self.step % t.eval_every == 0 or last:
@@ -313,9 +407,16 @@ class Trainer:
                 progress.message(f"step {self.step}: val loss {self.last_val_loss:.4f}")
             if row:
                 self.tracker.log(self.step, row)
-            if (t.save_every and self.step % t.save_every == 0) or last:
-                self.save_snapshot()
+            if (t.save_every and self.step % t.save_every == 0) or last or stop:
+                snapshot = self._save_checked()
+            if stop and not last:
+                stopped = stop
+                break
+            if not last:
+                vote.start()
         progress.close()
+        if stopped:
+            return {"final_step": self.step, "stopped": stopped, "snapshot": str(snapshot)}
         if self.last_val_loss is None:  # resumed at max_steps: nothing trained, still report it
             self.last_val_loss = self.evaluate()
         med = sorted(step_times)[len(step_times) // 2] if step_times else 0.0

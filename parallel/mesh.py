@@ -92,7 +92,22 @@ def _rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dis
     return store
 
 
+_CONTROL_GROUP = None
+
+
+def control_group():
+    """Collective on first use. A gloo group over every rank for control flags (the stop vote):
+    its tensors live on the CPU, so agreeing on a flag never waits for the GPU's queue, and its
+    collectives never interleave with the training's own on the default group."""
+    global _CONTROL_GROUP
+    if _CONTROL_GROUP is None:
+        _CONTROL_GROUP = dist.new_group(backend="gloo")
+    return _CONTROL_GROUP
+
+
 def shutdown() -> None:
+    global _CONTROL_GROUP
+    _CONTROL_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
