@@ -19,6 +19,8 @@ import torch
 from harness import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
 
 import main as app
+from config import load_config
+from parallel.mesh import init_distributed
 
 # save_every=0 (TINY): the only snapshots are the stop snapshots and the final one, so a relaunch
 # can only resume from what the stop wrote.
@@ -152,3 +154,15 @@ def test_nan_loss_on_one_rank_is_agreed_and_never_snapshotted(tmp_path, capsys):
     capsys.readouterr()
     assert app.main(NAN + ["parallel.strategy=none", f"trainer.run_dir={run}"]) == 0  # resumes in one process
     assert "step_0000002 at step 2" in capsys.readouterr().out
+
+
+def test_fp16_steps_the_grad_scaler_skips_are_not_failures(tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(None, NAN + ["parallel.strategy=none", "trainer.precision=fp16", "trainer.max_steps=4",
+                                   f"trainer.run_dir={run}"])
+    trainer = app.build_trainer(cfg, init_distributed(cfg), run)
+    trainer.scaler.scale(torch.ones(()))  # creates the scale tensor, then make it overflow fp16
+    trainer.scaler.update(new_scale=2.0**100)
+    assert trainer.train()["final_step"] == 4
+    assert trainer.scaler.get_scale() == 2.0**96  # all 4 steps had inf gradients and were skipped
+    assert snapshots(run) == ["step_0000004"]
