@@ -4,6 +4,8 @@ Owns the order of start-up: config -> process group -> run folder -> corpus and 
 model (same seed on every rank) -> strategy (parallel layout) -> Trainer -> resume -> tracker ->
 train -> model.pt + sample. Bad input anywhere surfaces as `UsageError`: one line on stderr and
 exit code 2, before any existing snapshot is touched.
+SIGTERM/SIGINT during training: every rank stops at one step, saves it, one line, exit
+(`train_until_stopped`, `stop_exit_code`). A non-finite loss or weight: one line, exit 1.
 """
 from __future__ import annotations
 
