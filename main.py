@@ -1,9 +1,10 @@
 """Entry point: `python main.py [--config F] [section.key=value ...]`, or the same under torchrun.
 
-Owns the order of start-up: config -> process group -> run folder -> corpus and tokenizer ->
-model (same seed on every rank) -> strategy (parallel layout) -> Trainer -> resume -> tracker ->
-train -> model.pt + sample. Bad input anywhere surfaces as `UsageError`: one line on stderr and
-exit code 2, before any existing snapshot is touched.
+Owns the order of start-up: config -> process group -> run folder lock -> corpus and tokenizer
+-> model (same seed on every rank) -> strategy (parallel layout) -> Trainer -> resume -> writes
+(tokenizer.json, tracker, config.yaml) -> train -> model.pt + sample. Bad input anywhere surfaces
+as `UsageError`: one line on stderr and exit code 2. Nothing in the run folder is written before
+every check (resume's included) has passed, so a refused launch leaves the folder as it was.
 SIGTERM/SIGINT during training: every rank stops at one step, saves it, one line, exit
 (`train_until_stopped`, `stop_exit_code`). A non-finite loss or weight: one line, exit 1.
 """
@@ -45,23 +46,17 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
 
     import torch
 
-    from char_dataset import (CharDataset, build_tokenizer, load_corpus, load_tokenizer_record,
-                              save_tokenizer)
+    from char_dataset import CharDataset, build_tokenizer, load_corpus, load_tokenizer_record
     from model import GPT, GPTConfig
     from parallel import build_strategy
     from trainer import Trainer, seed_rng
 
     strategy = build_strategy(cfg, env)  # layout errors before any work
-    if env.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
     # ---- data: the local leader downloads, everyone reads the same text
     text, source = load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
     stored = load_tokenizer_record(run_dir / "tokenizer.json") if cfg.trainer.resume != "never" else None
     tok = build_tokenizer(cfg.data.tokenizer, text, stored)
     data = CharDataset(tok.encode(text), cfg.model.block_size, cfg.data.val_fraction, cfg.trainer.seed)
-    env.barrier()
-    if env.rank == 0:
-        save_tokenizer(tok, run_dir / "tokenizer.json")
     # ---- model: identical on every rank (same seed), then placed by the strategy
     torch.manual_seed(cfg.trainer.seed)
     gpt_cfg = GPTConfig(vocab_size=tok.vocab_size, **dc.asdict(cfg.model))
@@ -98,19 +93,21 @@ def stop_exit_code(signum: int, under_torchrun: bool) -> int:
 def run(argv) -> int:
     import torch.distributed as dist
 
-    from config import UsageError, dump_yaml, load_config
+    from char_dataset import save_tokenizer
+    from config import dump_yaml, load_config
     from model import GPTConfig
     from parallel.mesh import init_distributed, shutdown
+    from runlock import lock_run_dir
     from sample import generate_text, model_from_state
     from tracking import RunTracker
 
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(cfg.trainer.run_dir).expanduser()
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"trainer.run_dir '{run_dir}' is a file; point it at a folder")
     env = init_distributed(cfg)
+    lock = None
     try:
+        lock = lock_run_dir(run_dir, env.rank, env.distributed)  # before anything reads the folder
         if env.rank == 0:
             print(f"config ({args.config} + {len(args.overrides)} overrides):\n{dump_yaml(cfg)}", flush=True)
         trainer = build_trainer(cfg, env, run_dir)
@@ -118,6 +115,9 @@ def run(argv) -> int:
         gpt_cfg = GPTConfig(**trainer.model_config)
         meta = trainer.resume()
 
+        # ---- every check has passed: from here on this launch writes into the run folder
+        if env.rank == 0:
+            save_tokenizer(tok, run_dir / "tokenizer.json")
         # ---- tracking on the one rank that holds the reduced loss
         if strategy.is_tracker:
             trainer.tracker = RunTracker(cfg, run_dir, resume_step=trainer.step if meta else None,
@@ -162,6 +162,8 @@ def run(argv) -> int:
             print(f"done: step {summary['final_step']} | val loss {summary['val_loss']:.4f} | "
                   f"outputs in {run_dir}", flush=True)
     finally:
+        if lock is not None:
+            lock.release()
         shutdown()
     return 0
 

@@ -1,0 +1,112 @@
+"""One run folder, one launch: an exclusive lock on `<run_dir>/launch.lock` for the whole launch.
+
+Two launches writing one run folder delete each other's in-flight snapshots and metrics, so the
+second one is refused before it reads or writes anything there. The lock is `fcntl.flock`: the
+kernel drops it when the holding process dies, however it dies (SIGKILL included), so a killed
+job never leaves a stale lock and the workers that torchrun restarts take it again. The lock
+belongs to the job, not to a node: global rank 0 takes it and broadcasts the verdict, so all
+ranks of every node go on or refuse together.
+
+The lock file stays in the folder (it is empty and never rewritten): deleting it on exit would let
+a launch that opened the old file and a launch that created a new one both hold "the" lock.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+
+from config import UsageError
+
+LOCK_FILE = "launch.lock"
+# flock on a filesystem without lock support (some FUSE and object-store mounts, NFS without a
+# lock manager) fails with one of these; anything else is a real error.
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class RunLock:
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+        self._created: list[Path] = []  # folders this launch made, deepest first
+
+    def acquire(self) -> None:
+        """Create the run folder if needed and lock it; a UsageError when that is impossible or
+        another launch holds the lock."""
+        run_dir = self.run_dir
+        try:
+            if run_dir.is_file():
+                raise UsageError(f"trainer.run_dir '{run_dir}' is a file; point it at a folder")
+            missing, p = [], run_dir
+            while not p.exists() and p != p.parent:
+                missing.append(p)
+                p = p.parent
+            for d in reversed(missing):
+                try:
+                    d.mkdir()
+                except FileExistsError:  # another launch made it meanwhile: not ours to remove
+                    continue
+                self._created.insert(0, d)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if not os.access(run_dir, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(run_dir))
+        except OSError as e:
+            self.release()
+            where = f": {e.filename}" if e.filename else ""
+            raise UsageError(f"cannot create or write trainer.run_dir '{run_dir}' ({e.strerror or e}"
+                             f"{where}); point it at a folder this user can create and write") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise UsageError(f"trainer.run_dir '{run_dir}' is in use by another launch (it holds the "
+                             f"lock on {self.path}); wait until that launch ends or stop it, or pick "
+                             f"another trainer.run_dir") from None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                self.release()
+                raise UsageError(f"cannot lock {self.path} ({e.strerror or e}); point trainer.run_dir "
+                                 f"at a folder on a filesystem with file locks") from None
+            warnings.warn(f"the filesystem of {run_dir} has no file locks ({e.strerror}), so nothing "
+                          f"stops a second launch into it; make sure only one launch uses it")
+
+    def release(self) -> None:
+        """Unlock. A folder that this launch created and left holding nothing but the lock file is
+        removed again, so a refused launch leaves no trace."""
+        try:
+            if self._created and {p.name for p in self.run_dir.iterdir()} <= {LOCK_FILE}:
+                if self._fd is not None:
+                    self.path.unlink(missing_ok=True)
+                for d in self._created:
+                    d.rmdir()
+        except OSError:
+            pass  # something else appeared in the folder meanwhile: leave it
+        self._created = []
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+
+def lock_run_dir(run_dir: Path, rank: int, distributed: bool) -> RunLock:
+    """Collective: global rank 0 takes the run folder's lock; every rank raises the same UsageError
+    when it cannot. Returns the lock (held on rank 0); release() it at the end of the launch."""
+    lock = RunLock(run_dir)
+    error = None
+    if rank == 0:
+        try:
+            lock.acquire()
+        except UsageError as e:
+            error = str(e)
+    if distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        lock.release()
+        raise UsageError(error)
+    return lock

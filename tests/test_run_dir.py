@@ -1,0 +1,180 @@
+"""The run folder (issue 9, items 5 and 7): one launch per run folder, held by an OS lock that dies
+with its process; a refused launch changes no file of the folder; an impossible or unwritable
+run_dir is one line and exit 2.
+
+Launches: one `python main.py` (the running launch that a second one runs into) and one 2-process
+torchrun (the refusal of a whole job); everything else runs in this process."""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+# every module main.run() imports lazily, so a forked child that dropped its privileges (and can no
+# longer read the Python installation) has them already
+import char_dataset  # noqa: F401
+import main as app
+import model  # noqa: F401
+import parallel.mesh  # noqa: F401
+import runlock  # noqa: F401
+import sample  # noqa: F401
+import tracking  # noqa: F401
+from harness import REPO, TINY, child_env, torchrun
+
+RUN = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "trainer.save_every=2"]
+
+
+def listing(folder: Path) -> dict:
+    """Every entry of the folder: kind, size, mtime (ns), inode and the content's sha256. A file
+    rewritten with the same bytes still shows (new mtime, or a new inode after os.replace)."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        st = p.lstat()
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        out[str(p.relative_to(folder))] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
+    return out
+
+
+def one_error_line(err: str) -> str:
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- item 5: the lock
+
+
+def test_second_launch_is_refused_and_the_lock_dies_with_its_process(tmp_path, capsys):
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "main.py", *RUN, "trainer.max_steps=100000",
+                              f"trainer.run_dir={run}"], cwd=REPO, env=child_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (run / "snapshots" / "step_0000002").is_dir():
+            assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:]
+            time.sleep(0.02)
+        # the first launch holds the lock; frozen, it writes nothing while we look
+        first.send_signal(signal.SIGSTOP)
+        before = listing(run)
+
+        # a second launch, same config: refused, one line, exit 2, nothing touched
+        capsys.readouterr()
+        assert app.main(RUN + ["trainer.max_steps=1", f"trainer.run_dir={run}"]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "is in use by another launch" in line and "launch.lock" in line, line
+        assert listing(run) == before
+
+        # a second job: rank 0 refuses and rank 1 follows it (no hang), each with exit code 2
+        r = torchrun(2, ["main.py", *RUN, "trainer.max_steps=1", "parallel.strategy=ddp",
+                         f"trainer.run_dir={run}"], timeout=120)
+        errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+        assert r.returncode != 0 and len(errors) == 1 and "is in use by another launch" in errors[0], \
+            r.stderr[-3000:]
+        ranks = re.findall(r"rank\s+: (\d) \(local_rank.*\n\s+exitcode\s+: (-?\d+)", r.stderr)
+        assert sorted(ranks) == [("0", "2"), ("1", "2")], r.stderr[-3000:]
+        assert listing(run) == before
+
+        # SIGKILL the holder: the kernel drops its lock, and the next launch resumes
+        first.kill()
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=30)
+    newest = max(int(p.name[5:]) for p in (run / "snapshots").glob("step_*"))
+    capsys.readouterr()
+    assert app.main(RUN + [f"trainer.max_steps={newest + 2}", f"trainer.run_dir={run}"]) == 0
+    assert f"at step {newest}" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- item 7: refusals
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("refusals") / "run"
+    assert app.main(RUN + ["trainer.max_steps=2", f"trainer.run_dir={run}"]) == 0
+    return run
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["trainer.resume=never"], "trainer.resume=never"),
+    (["model.n_layer=2"], "different model shape"),
+    (["data.tokenizer=gpt2"], "trained with data.tokenizer=char"),
+    # the issue's case: resume=never built a fresh gpt2 tokenizer and wrote it over the char one
+    (["trainer.resume=never", "data.tokenizer=gpt2"], "trainer.resume=never"),
+])
+def test_refused_launch_changes_no_file(trained, overrides, words, capsys):
+    before = listing(trained)
+    capsys.readouterr()
+    assert app.main(RUN + ["trainer.max_steps=4", f"trainer.run_dir={trained}", *overrides]) == 2
+    assert words in one_error_line(capsys.readouterr().err)
+    assert listing(trained) == before
+    # and the original config still resumes
+    assert app.main(RUN + ["trainer.max_steps=2", f"trainer.run_dir={trained}"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
+def launch_as_other_user(args: list[str]) -> tuple[int, str]:
+    """app.main(args) in a forked child that cannot write what this user made: as root (which
+    ignores file modes) the child drops to uid/gid 65534 ("nobody"). Returns (exit code, stderr)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 99
+        try:
+            os.close(read)
+            sys.stderr = io.TextIOWrapper(os.fdopen(write, "wb"), write_through=True)
+            sys.stdout = open(os.devnull, "w")
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setresgid(65534, 65534, 65534)
+                os.setresuid(65534, 65534, 65534)
+            code = app.main(args)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "r") as f:
+        err = f.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), err
+
+
+def test_read_only_run_dir_is_bad_input(trained):
+    base = Path(tempfile.mkdtemp(prefix="mingpt-read-only-"))  # pytest's tmp_path is root-only
+    try:
+        run = base / "run"
+        shutil.copytree(trained, run)
+        for p in [base, *run.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        run.chmod(0o555)
+        before = listing(run)
+        args = RUN + ["trainer.max_steps=4", f"data.cache_dir={base}"]  # ~/.cache: root's own
+        # the existing run, resumed by a user who cannot write it
+        rc, err = launch_as_other_user(args + [f"trainer.run_dir={run}"])
+        assert rc == 2 and "cannot create or write trainer.run_dir" in one_error_line(err), err
+        assert listing(run) == before
+        # a new run folder inside it
+        rc, err = launch_as_other_user(args + [f"trainer.run_dir={run}/new"])
+        assert rc == 2 and "Permission denied" in one_error_line(err), err
+        assert listing(run) == before
+    finally:
+        for p in [base, *base.rglob("*")]:
+            if p.is_dir():
+                p.chmod(0o755)
+        shutil.rmtree(base)
