@@ -109,6 +109,8 @@ BAD_INPUTS = {
     "micro batch does not divide": (["trainer.batch_size=8", "trainer.micro_batch_size=3"],
                                     "does not divide the per-rank batch"),
     "run_dir is a file": (["trainer.run_dir={root}/a_file"], "is a file"),
+    "run_dir under a file": (["trainer.run_dir={root}/a_file/run"], "(Not a directory"),
+    "run_dir under /proc": (["trainer.run_dir=/proc/mingpt-run/x"], "cannot create or write trainer.run_dir"),
     # every other validated key of data/model/trainer/optimizer and the layout-wide parallel keys
     "tokenizer": (["data.tokenizer=bpe"], "not one of char, gpt2"),
     "sha256": (["data.sha256=abc"], "data.sha256"),
