@@ -126,6 +126,13 @@ def test_refused_launch_changes_no_file(trained, overrides, words, capsys):
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_refused_launch_into_a_new_folder_leaves_no_folder(tmp_path, capsys):
+    run = tmp_path / "new" / "run"
+    assert app.main(RUN + [f"trainer.run_dir={run}", f"data.path={tmp_path}/missing.txt"]) == 2
+    assert "does not exist" in one_error_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []
+
+
 def launch_as_other_user(args: list[str]) -> tuple[int, str]:
     """app.main(args) in a forked child that cannot write what this user made: as root (which
     ignores file modes) the child drops to uid/gid 65534 ("nobody"). Returns (exit code, stderr)."""
