@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -23,9 +22,6 @@ import torch.distributed as dist
 from config import UsageError
 
 LOCK_FILE = "launch.lock"
-# flock on a filesystem without lock support (some FUSE and object-store mounts, NFS without a
-# lock manager) fails with one of these; anything else is a real error.
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 class RunLock:
@@ -67,13 +63,10 @@ class RunLock:
             raise UsageError(f"trainer.run_dir '{run_dir}' is in use by another launch (it holds the "
                              f"lock on {self.path}); wait until that launch ends or stop it, or pick "
                              f"another trainer.run_dir") from None
-        except OSError as e:
-            if e.errno not in _NO_LOCKS:
-                self.release()
-                raise UsageError(f"cannot lock {self.path} ({e.strerror or e}); point trainer.run_dir "
-                                 f"at a folder on a filesystem with file locks") from None
-            warnings.warn(f"the filesystem of {run_dir} has no file locks ({e.strerror}), so nothing "
-                          f"stops a second launch into it; make sure only one launch uses it")
+        except OSError as e:  # a filesystem without file locks (e.g. Lustre mounted without flock)
+            self.release()
+            raise UsageError(f"cannot lock {self.path} ({e.strerror or e}); point trainer.run_dir at a "
+                             f"folder on a filesystem with file locks (Lustre: mount with -o flock)") from None
 
     def release(self) -> None:
         """Unlock. A folder that this launch created and left holding nothing but the lock file is
