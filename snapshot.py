@@ -16,8 +16,14 @@ finished. A kill at any moment leaves the older snapshots as they were. Older sn
 
 Loading: rank 0 walks the snapshots newest first and takes the first whose meta.json parses and
 whose files match their recorded sizes and hashes (a damaged one is skipped with a warning), then
-broadcasts its choice so every rank loads the same one. Nothing is unpickled: tensors come from
-DCP, everything else from JSON.
+broadcasts its choice so every rank loads the same one. A damaged snapshot is never counted by
+pruning (the newest valid one is never deleted) and is moved aside into `snapshots/damaged/` at
+the next save, not deleted.
+
+Nothing is unpickled: DCP holds only tensors (read with torch.load(weights_only=True)); the
+non-tensor state (optimizer param groups) goes to meta.json; DCP's own `.metadata` index is a
+pickle, so it is read by an unpickler that admits only the classes of DCP's Metadata, and a
+snapshot whose index names anything else, or non-tensor (BYTE_IO) entries, counts as damaged.
 """
 from __future__ import annotations
 
@@ -25,21 +31,29 @@ import contextlib
 import hashlib
 import json
 import os
+import pathlib
+import pickle
 import shutil
 import signal
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from config import UsageError
 
 META = "meta.json"
-FORMAT_VERSION = 1
+DAMAGED = "damaged"  # snapshots/damaged/<name>: damaged snapshots moved aside, never loaded
+# 2: only tensors in DCP, param groups in meta.json["nontensor_state"] (1 had pickled param groups)
+FORMAT_VERSION = 2
 
 
 def _file_digest(path: Path) -> str:
@@ -74,8 +88,173 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+# ---------------------------------------------------------------------------- DCP without pickle
+
+class UnsafeSnapshot(ValueError):
+    """A snapshot whose DCP index is not plain DCP metadata over tensors."""
+
+
+# What DCP's .metadata pickle may name (torch/distributed/checkpoint/metadata.py and filesystem.py
+# of the installed torch): its Metadata dataclasses, the per-file _StorageInfo, torch.Size,
+# dtypes, the layout helper, and the path StorageMeta records. Nothing callable beyond those.
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.WindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == dcp_metadata.__name__:
+            obj = getattr(dcp_metadata, name, None)
+            if isinstance(obj, type) and obj.__module__ == module:  # its own classes only
+                return obj
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in _ALLOWED_GLOBALS:
+            return _ALLOWED_GLOBALS[(module, name)]
+        raise UnsafeSnapshot(f"its DCP .metadata names {module}.{name}, which DCP metadata never holds")
+
+    def persistent_load(self, pid):
+        raise UnsafeSnapshot("its DCP .metadata holds a persistent reference")
+
+
+def read_dcp_metadata(path: Path, files: set[str] | None = None) -> dcp_metadata.Metadata:
+    """DCP's index of `path`, unpickled with only DCP's metadata classes admitted, and checked
+    to describe tensors only (a BYTE_IO entry would be read with torch.load(weights_only=False))
+    stored in the snapshot's own data files (`files`, when given). Raises UnsafeSnapshot."""
+    try:
+        with open(path / ".metadata", "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except UnsafeSnapshot:
+        raise
+    except Exception as e:  # truncated or garbage pickle
+        raise UnsafeSnapshot(f"its DCP .metadata does not parse ({type(e).__name__})") from None
+    if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict) \
+            or not isinstance(md.storage_data, dict):
+        raise UnsafeSnapshot("its DCP .metadata is not a DCP Metadata record")
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            raise UnsafeSnapshot(f"its DCP entry {key!r} is not a tensor ({type(entry).__name__}); "
+                                 f"snapshots of this format hold only tensors")
+    for index, info in md.storage_data.items():
+        if not isinstance(index, dcp_metadata.MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise UnsafeSnapshot("its DCP .metadata has a malformed storage index")
+        if files is not None and info.relative_path not in files:
+            raise UnsafeSnapshot(f"its DCP .metadata points at {info.relative_path!r}, not a file "
+                                 f"of the snapshot")
+    return md
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader that reads .metadata with the restricted unpickler and refuses BYTE_IO
+    reads (DCP's planner loads those with torch.load(weights_only=False)); tensors themselves are
+    read with torch.load(weights_only=True) by FileSystemReader.read_data. read_metadata takes no
+    `rank` keyword, so DCP never falls back to (unchecked) rank-local metadata files."""
+
+    def read_metadata(self) -> dcp_metadata.Metadata:
+        md = read_dcp_metadata(Path(self.path))
+        if md.storage_meta is None:
+            md.storage_meta = dcp_metadata.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def read_data(self, plan, planner):
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            raise UnsafeSnapshot("DCP was asked to unpickle a non-tensor entry")
+        return super().read_data(plan, planner)
+
+
+def load_tensors(path: Path, state: dict, distributed: bool = False) -> None:
+    """Fill the tensors of `state` in place from the snapshot at `path` (a collective when
+    `distributed`), through SafeReader. Keys of the snapshot that `state` lacks are not read."""
+    read_dcp_metadata(path)  # a clear UnsafeSnapshot here, rather than one wrapped by DCP
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not distributed)
+
+
+# ------------------------------------------------------------------ tensors to DCP, the rest to JSON
+
+def split_state(tree):
+    """(tensors, rest): the same nested dicts, one holding the tensor leaves (for DCP), the other
+    every non-tensor subtree (for JSON), None where a side has nothing."""
+    if torch.is_tensor(tree):
+        return tree, None
+    if isinstance(tree, dict):
+        tensors, rest = {}, {}
+        for k, v in tree.items():
+            t, r = split_state(v)
+            if t is not None:
+                tensors[k] = t
+            if r is not None:
+                rest[k] = r
+        return tensors or None, rest or None
+    if isinstance(tree, (list, tuple)) and any(split_state(v)[0] is not None for v in tree):
+        raise TypeError("tensors inside lists are not supported in snapshots; use dicts")
+    return None, tree
+
+
+def _merge_ranks(a, b):
+    """One record of every rank's non-tensor state: equal values stay; dicts merge per key,
+    lists of dicts per element; lists that differ (e.g. the parameter names of each pipeline
+    stage's param group) become their ordered union; other differences keep the lower rank's."""
+    if a == b:
+        return a
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {**b, **{k: _merge_ranks(v, b[k]) if k in b else v for k, v in a.items()}}
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) == len(b) and all(isinstance(x, dict) for x in [*a, *b]):
+            return type(a)(_merge_ranks(x, y) for x, y in zip(a, b))
+        return type(a)(list(a) + [x for x in b if x not in a])
+    return a
+
+
+def _like(value, template):
+    """`value` as JSON gave it back, with tuples where the template (this run's own state) has
+    them (AdamW's betas)."""
+    if isinstance(template, dict) and isinstance(value, dict):
+        return {k: _like(v, template.get(k)) for k, v in value.items()}
+    if isinstance(template, (list, tuple)) and isinstance(value, list):
+        items = [_like(v, template[i] if i < len(template) else None) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(template, tuple) else items
+    return value
+
+
+def _put_rest(state: dict, stored: dict, where: str = "") -> None:
+    """Replace each non-tensor value of `state` (a template: this run's own state) in place with
+    the snapshot's JSON record of it; KeyError names one that the snapshot lacks."""
+    for k, v in state.items():
+        if torch.is_tensor(v):
+            continue
+        if isinstance(v, dict) and split_state(v)[0] is not None:  # holds tensors: go deeper
+            _put_rest(v, stored.get(k, {}) if isinstance(stored, dict) else {}, f"{where}{k}.")
+        elif isinstance(stored, dict) and k in stored:
+            state[k] = _like(stored[k], v)
+        else:
+            raise KeyError(f"{where}{k}")
+
+
+# ------------------------------------------------------------------ validation
+
+def _old_format(meta) -> int | None:
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    return fmt if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt < FORMAT_VERSION else None
+
+
+def old_format_message(path: Path, fmt: int) -> str:
+    return (f"snapshot {path} has snapshot format {fmt}, written by an older version of this project "
+            f"(this one reads format {FORMAT_VERSION}, which unpickles nothing); export or resume it with "
+            f"that version, or use another trainer.run_dir")
+
+
 def validate_snapshot(path: Path) -> tuple[dict | None, str]:
-    """(meta, "") for a complete, undamaged snapshot, else (None, reason)."""
+    """(meta, "") for a complete, undamaged snapshot, else (None, reason). Hashes every file and
+    reads the DCP index through the restricted unpickler."""
     meta_path = path / META
     if not meta_path.is_file():
         return None, "no meta.json (incomplete)"
@@ -83,11 +262,13 @@ def validate_snapshot(path: Path) -> tuple[dict | None, str]:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None, "meta.json is damaged"
+    if (fmt := _old_format(meta)) is not None:
+        return None, f"snapshot format {fmt} of an older version (this one reads {FORMAT_VERSION})"
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
         return None, "meta.json is not a snapshot record of this version"
     for name, rec in meta["files"].items():
         f = path / name
-        if not f.is_file():
+        if "/" in name or name in (".", "..") or not f.is_file():
             return None, f"missing file {name}"
         if f.stat().st_size != rec["size"]:
             return None, f"file {name} has the wrong size (truncated?)"
@@ -95,6 +276,10 @@ def validate_snapshot(path: Path) -> tuple[dict | None, str]:
             return None, f"file {name} fails its checksum"
     if ".metadata" not in meta["files"]:
         return None, "no DCP metadata"
+    try:
+        read_dcp_metadata(path, set(meta["files"]))
+    except UnsafeSnapshot as e:
+        return None, f"unsafe: {e}"
     return meta, ""
 
 
@@ -118,6 +303,10 @@ class SnapshotManager:
     keep: int
     rank: int = 0
     distributed: bool = False
+    # Rank 0's verdicts of this launch (folder name -> reason; "" = valid): pruning hashes a
+    # snapshot at most once per launch (the ones it wrote or find_latest checked: never).
+    _verdicts: dict[str, str] = field(default_factory=dict)
+    _reported: set[str] = field(default_factory=set)  # damaged ones already warned about
 
     @property
     def snap_dir(self) -> Path:
@@ -134,13 +323,26 @@ class SnapshotManager:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _verdict(self, path: Path) -> str:
+        if path.name not in self._verdicts:
+            self._verdicts[path.name] = validate_snapshot(path)[1]
+        return self._verdicts[path.name]
+
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, tensors: dict, meta: dict) -> Path:
-        """Collective: every rank calls it with its own shard of `tensors`; rank 0's `meta` is
-        recorded. Returns the final folder."""
+    def save(self, step: int, state: dict, meta: dict) -> Path:
+        """Collective: every rank calls it with its own shard of `state`; rank 0's `meta` is
+        recorded. Tensors go to DCP; the rest (optimizer param groups), merged over the ranks
+        (pipeline stages hold different parameters), to meta.json. Returns the final folder."""
         final = self.snap_dir / step_dir_name(step)
         tmp = self.snap_dir / f".tmp-{step_dir_name(step)}"
+        tensors, rest = split_state(state)
+        if self.distributed:
+            everyone = [None] * dist.get_world_size() if self.rank == 0 else None
+            dist.gather_object(rest, everyone, dst=0)
+            if self.rank == 0:
+                for other in everyone[1:]:
+                    rest = _merge_ranks(rest, other)
         if self.rank == 0:
             self.snap_dir.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -148,7 +350,7 @@ class SnapshotManager:
             tmp.mkdir()
         self._barrier()
         with _quiet_single_process():
-            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not self.distributed)
+            dcp.save(tensors or {}, checkpoint_id=str(tmp), no_dist=not self.distributed)
         _fault_point("save", step, self.rank)
         self._barrier()  # every rank's shards are on disk
         if self.rank == 0:
@@ -158,35 +360,74 @@ class SnapshotManager:
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
                     files[f.name] = {"size": f.stat().st_size, "sha256": _file_digest(f)}
-            _write_json_atomic(tmp / META, {**meta, "format": FORMAT_VERSION, "step": step, "files": files})
+            _write_json_atomic(tmp / META, {**meta, "format": FORMAT_VERSION, "step": step,
+                                            "nontensor_state": rest or {}, "files": files})
             _fsync_dir(tmp)
-            if final.exists():  # a re-save of the same step (e.g. resumed and saved again)
-                shutil.rmtree(final)
+            if final.exists():  # the valid one resumed from, or a damaged one skipped on resume
+                if self._verdict(final) == "":
+                    shutil.rmtree(final)
+                else:
+                    self._move_aside(final)
             os.rename(tmp, final)  # the commit point
             _fsync_dir(self.snap_dir)
+            self._verdicts[final.name] = ""
             self._prune()
         self._barrier()
         return final
 
+    def _move_aside(self, path: Path) -> None:
+        """snapshots/<name> -> snapshots/damaged/<name> (a numbered name if that is taken)."""
+        if path.name not in self._reported:  # one warning per damaged snapshot
+            warnings.warn(f"damaged snapshot {path}: {self._verdict(path)}; moved to "
+                          f"{self.snap_dir / DAMAGED}", stacklevel=3)
+            self._reported.add(path.name)
+        aside = self.snap_dir / DAMAGED
+        aside.mkdir(exist_ok=True)
+        target, n = aside / path.name, 1
+        while target.exists():
+            target, n = aside / f"{path.name}.{n}", n + 1
+        os.rename(path, target)
+
     def _prune(self) -> None:
-        for old in list_snapshots(self.snap_dir)[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep the `keep` newest VALID snapshots (the one just written is one, so the newest
+        valid one is never deleted). Damaged ones are moved aside, not counted; the rest, older
+        than the kept ones, are deleted (unchecked: they go either way)."""
+        kept = 0
+        for path in list_snapshots(self.snap_dir):
+            if self._verdicts.get(path.name):  # known damaged (skipped on resume)
+                self._move_aside(path)
+            elif kept >= self.keep:
+                shutil.rmtree(path, ignore_errors=True)
+            elif self._verdict(path) == "":
+                kept += 1
+            else:
+                self._move_aside(path)
         for stale in self.snap_dir.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
 
     def find_latest(self) -> tuple[Path, dict] | None:
-        """Newest valid snapshot, agreed by all ranks (rank 0 decides, then broadcasts)."""
+        """Newest valid snapshot, agreed by all ranks (rank 0 decides, then broadcasts). A
+        snapshot of an older format is refused (UsageError on every rank), not skipped."""
         choice = None
         if self.rank == 0:
             for path in list_snapshots(self.snap_dir):
                 meta, why = validate_snapshot(path)
+                self._verdicts[path.name] = why
                 if meta is not None:
                     choice = (str(path), meta)
                     break
-                warnings.warn(f"skipping snapshot {path}: {why}", stacklevel=2)
+                old = _old_format(_read_meta_quietly(path))
+                if old is not None:
+                    choice = ("refuse", old_format_message(path, old))
+                    break
+                warnings.warn(f"skipping snapshot {path}: {why} (moved to {self.snap_dir / DAMAGED} "
+                              f"at the next save)", stacklevel=2)
+                self._reported.add(path.name)
         choice = self._broadcast(choice)
+        if choice and choice[0] == "refuse":
+            raise UsageError(choice[1])
         return (Path(choice[0]), choice[1]) if choice else None
 
     def has_any(self) -> bool:
@@ -195,18 +436,39 @@ class SnapshotManager:
     @staticmethod
     def stored_keys(path: Path) -> set[str]:
         """Flattened keys present in a snapshot's DCP metadata (e.g. 'rng.rank0')."""
-        md = dcp.FileSystemReader(str(path)).read_metadata()
-        return set(md.state_dict_metadata.keys())
+        return set(read_dcp_metadata(path).state_dict_metadata.keys())
 
-    def load(self, path: Path, tensors: dict) -> None:
-        """Collective: fill `tensors` (a template with this rank's shapes/shardings) in place."""
+    def load(self, path: Path, state: dict, meta: dict | None = None) -> None:
+        """Collective: fill `state` (a template with this rank's shapes/shardings) in place:
+        tensors from DCP, the rest from meta.json's record (`meta`, or read from `path`)."""
+        if meta is None:
+            meta = json.loads((path / META).read_text(encoding="utf-8"))
+        tensors, _ = split_state(state)
         try:
-            with _quiet_single_process():
-                dcp.load(tensors, checkpoint_id=str(path), no_dist=not self.distributed)
-        except Exception as e:  # shapes or keys that do not fit this model
-            raise UsageError(f"snapshot {path} does not fit this model/optimizer ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:200]}); use the config it was trained with "
+            load_tensors(path, tensors or {}, self.distributed)
+            _put_rest(state, meta.get("nontensor_state", {}))
+        except (Exception, CheckpointException) as e:  # shapes or keys that do not fit this model
+            cause = _first_cause(e)
+            if isinstance(cause, UnsafeSnapshot):  # it changed after rank 0 validated it
+                raise UsageError(f"snapshot {path} is unsafe to load ({cause}); move it out of "
+                                 f"{self.snap_dir}") from None
+            raise UsageError(f"snapshot {path} does not fit this model/optimizer ({type(cause).__name__}: "
+                             f"{str(cause).splitlines()[0][:200]}); use the config it was trained with "
                              f"or another trainer.run_dir") from None
+
+
+def _first_cause(e: BaseException) -> BaseException:
+    """The exception behind DCP's CheckpointException (which wraps each rank's as (exc, trace))."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return next(iter(e.failures.values()))[0]
+    return e
+
+
+def _read_meta_quietly(path: Path):
+    try:
+        return json.loads((path / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 @contextlib.contextmanager

@@ -1,0 +1,183 @@
+"""Snapshot integrity (issue 9, items 4 and 8), by really damaging and really tampering with the
+files of a trained run and running the app, export.py and sample.py on it:
+
+- damaged snapshots newer than the resume point (a flipped byte, a truncated data file, no
+  meta.json) are never counted by pruning, are moved aside into snapshots/damaged/ with one
+  warning each, and the next launch resumes from the newest valid one;
+- a crafted DCP `.metadata` pickle, or a crafted non-tensor (BYTE_IO) entry, with their sha256
+  updated in meta.json so that only the unpickling guard can stop them, never run their payload
+  on resume, export or sample;
+- a snapshot of the older format (pickled param groups) is refused with one line, touching nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+from harness import TINY
+
+import export
+import main as app
+import sample
+
+ARGS = TINY + ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20", "parallel.strategy=none",
+               "trainer.save_every=1"]
+
+
+def train(run_dir: Path, *extra: str) -> int:
+    return app.main(ARGS + [f"trainer.run_dir={run_dir}", *extra])
+
+
+def snap(run: Path, step: int) -> Path:
+    return run / "snapshots" / f"step_{step:07d}"
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run with snapshots at steps 1..6 (each test damages a copy)."""
+    run = tmp_path_factory.mktemp("safety") / "run"
+    assert train(run, "trainer.max_steps=6", "trainer.keep_snapshots=6") == 0
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def test_damaged_snapshots_are_moved_aside_and_never_counted(run, capsys):
+    flipped = next(snap(run, 6).glob("*.distcp"))
+    raw = bytearray(flipped.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(raw))
+    truncated = next(snap(run, 5).glob("*.distcp"))
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    (snap(run, 4) / "meta.json").unlink()
+    damaged = {s: files_of(snap(run, s)) for s in (4, 5, 6)}
+
+    # Resumes from step 3, writes step 4 (where a damaged step_4 lies) with keep_snapshots=1.
+    with pytest.warns(UserWarning) as caught:
+        assert train(run, "trainer.max_steps=4", "trainer.keep_snapshots=1") == 0
+    assert "at step 3" in capsys.readouterr().out
+    about = [str(w.message) for w in caught if "snapshot" in str(w.message)]
+    for s in (4, 5, 6):  # one warning per damaged snapshot, none about the good ones
+        assert sum(f"step_{s:07d}" in m for m in about) == 1, about
+    assert len(about) == 3, about
+    snaps = run / "snapshots"
+    assert sorted(p.name for p in snaps.iterdir()) == ["damaged", "step_0000004"]
+    for s in (4, 5, 6):  # moved, byte for byte, not deleted
+        assert files_of(snaps / "damaged" / f"step_{s:07d}") == damaged[s]
+
+    # The next launch resumes from the newest valid snapshot, with nothing left to warn about.
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        assert train(run, "trainer.max_steps=5", "trainer.keep_snapshots=1") == 0
+    assert not [str(w.message) for w in later if "snapshot" in str(w.message)]
+    assert "step_0000004 at step 4" in capsys.readouterr().out
+    assert sorted(p.name for p in snaps.iterdir()) == ["damaged", "step_0000005"]
+
+
+# ----------------------------------------------------------------------------- unpickling
+
+class Payload:
+    """Unpickling this runs code: it writes the marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('payload ran')",)
+
+
+def rehash(snapshot: Path) -> None:
+    """What an attacker does so that the checksums pass: record the tampered files in meta.json."""
+    meta = json.loads((snapshot / "meta.json").read_text())
+    for f in snapshot.iterdir():
+        if f.name != "meta.json":
+            meta["files"][f.name] = {"size": f.stat().st_size,
+                                     "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    (snapshot / "meta.json").write_text(json.dumps(meta))
+
+
+def plant_metadata_payload(snapshot: Path, marker: Path) -> None:
+    (snapshot / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+
+
+def plant_entry_payload(snapshot: Path, marker: Path) -> None:
+    """Non-tensor (BYTE_IO) entries that DCP reads with torch.load(weights_only=False): a model
+    weight (read by resume, export and sample) and an optimizer param-group value."""
+    with open(snapshot / ".metadata", "rb") as f:
+        md = pickle.load(f)  # the test's own, just-written file
+    payload = snapshot / "__0_1.distcp"
+    torch.save(Payload(marker), payload)
+    for key in ("model.tok_emb.weight", "optim.param_groups.0.lr"):
+        md.state_dict_metadata[key] = BytesStorageMetadata()
+        md.storage_data[MetadataIndex(key)] = _StorageInfo(payload.name, 0, payload.stat().st_size)
+    with open(snapshot / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def outcome(fn, *args):
+    """fn's return value, or the exception it raised: the marker is checked either way."""
+    try:
+        return fn(*args)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        return e
+
+
+@pytest.mark.parametrize("plant", [plant_metadata_payload, plant_entry_payload], ids=["metadata", "entry"])
+def test_crafted_snapshot_runs_nothing_on_resume_export_or_sample(run, tmp_path, plant, capsys):
+    marker = tmp_path / "payload-ran"
+    plant(snap(run, 6), marker)
+    rehash(snap(run, 6))
+    capsys.readouterr()
+
+    rc = outcome(export.main, ["--run-dir", str(run), "--step", "6"])  # named by the user
+    assert not marker.exists(), "export unpickled the payload"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and "step_0000006" in err[0], (rc, err)
+
+    rc = outcome(sample.main, ["--run-dir", str(run), "--snapshot", "--tokens", "5", "--prompt", "A"])
+    assert not marker.exists(), "sample unpickled the payload"
+    assert rc == 0 and "skipping snapshot" in capsys.readouterr().err  # the newest valid: step 5
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = outcome(train, run, "trainer.max_steps=6", "trainer.keep_snapshots=2")
+    assert not marker.exists(), "resume unpickled the payload"
+    assert rc == 0 and "at step 5" in capsys.readouterr().out
+    assert [str(w.message) for w in caught if "snapshot" in str(w.message)] == [
+        next(str(w.message) for w in caught if "skipping snapshot" in str(w.message))]
+    assert (run / "snapshots" / "damaged" / "step_0000006").is_dir()
+
+
+def test_older_format_snapshot_is_refused_and_untouched(run, capsys):
+    meta_path = snap(run, 6) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["format"] = 1
+    meta_path.write_text(json.dumps(meta))
+    before = files_of(run)
+    capsys.readouterr()
+    assert train(run, "trainer.max_steps=8") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "format 1" in err[0], err
+    assert export.main(["--run-dir", str(run), "--step", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "format 1" in err[0], err
+    assert files_of(run) == before
