@@ -37,7 +37,7 @@ import shutil
 import signal
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 
 import torch
@@ -108,7 +108,17 @@ _ALLOWED_GLOBALS = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# Objects whose state the pickle may set (BUILD): fresh instances of DCP's metadata dataclasses;
+# never a class, function or enum member, which the C unpickler would let a pickle modify.
+_BUILDABLE = frozenset([_StorageInfo] + [c for c in vars(dcp_metadata).values() if isinstance(c, type)
+                                         and c.__module__ == dcp_metadata.__name__ and is_dataclass(c)])
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (stdlib), so that BUILD can be checked too."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str):
         if module == dcp_metadata.__name__:
             obj = getattr(dcp_metadata, name, None)
@@ -122,6 +132,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         raise UnsafeSnapshot("its DCP .metadata holds a persistent reference")
+
+    def load_build(self):
+        target = self.stack[-2]  # BUILD pops the state, then sets it on the object below it
+        if type(target) not in _BUILDABLE:
+            raise UnsafeSnapshot(f"its DCP .metadata sets the state of {type(target).__name__} "
+                                 f"{str(target)[:60]!r}, which DCP metadata never does")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def read_dcp_metadata(path: Path, files: set[str] | None = None) -> dcp_metadata.Metadata:

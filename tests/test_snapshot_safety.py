@@ -181,3 +181,27 @@ def test_older_format_snapshot_is_refused_and_untouched(run, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "format 1" in err[0], err
     assert files_of(run) == before
+
+
+def test_metadata_reader_refuses_what_dcp_never_writes(trained, tmp_path):
+    """The restricted unpickler reads a real index, and refuses a foreign global and a pickle that
+    would set attributes on a class (which the C unpickler, with find_class alone, allows)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from snapshot import UnsafeSnapshot, read_dcp_metadata
+
+    md = read_dcp_metadata(snap(trained, 6))
+    assert md.state_dict_metadata and "model.tok_emb.weight" in md.state_dict_metadata
+    crafted = {
+        "global": pickle.dumps(Payload(Path("/nonexistent/marker"))),
+        # protocol 2: GLOBAL Metadata; state (None, {"pwned": "yes"}); BUILD
+        "build_on_class": b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n"
+                          b"N}X\x05\x00\x00\x00pwnedX\x03\x00\x00\x00yess\x86b.",
+    }
+    for name, raw in crafted.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(raw)
+        with pytest.raises(UnsafeSnapshot):
+            read_dcp_metadata(folder)
+    assert not hasattr(Metadata, "pwned")
