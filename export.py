@@ -15,7 +15,8 @@ import torch
 
 from config import UsageError
 from model import GPT, GPTConfig
-from snapshot import UnsafeSnapshot, list_snapshots, load_tensors, step_dir_name, validate_snapshot
+from snapshot import (UnsafeSnapshot, list_snapshots, load_tensors, other_format_refusal, step_dir_name,
+                      validate_snapshot)
 
 
 def consolidate(run_dir: Path, step: int | None) -> dict:
@@ -30,7 +31,8 @@ def consolidate(run_dir: Path, step: int | None) -> dict:
         meta, why = validate_snapshot(path)
         if meta is None:
             if step is not None:
-                raise UsageError(f"snapshot {path} is damaged ({why}); pick another --step")
+                raise UsageError(other_format_refusal(path)
+                                 or f"snapshot {path} is damaged ({why}); pick another --step")
             print(f"warning: skipping snapshot {path}: {why}", file=sys.stderr)
             continue
         gpt_cfg = GPTConfig(**meta["model_config"])

@@ -6,13 +6,15 @@ Layout of `<run_dir>/snapshots/`:
         .metadata           DCP's index of every tensor shard
         __<rank>_0.distcp   DCP data files, one or more per rank
         meta.json           step, config + fingerprint, tokenizer, scheduler, scaler, tracker id,
-                            world size, strategy, and the size + sha256 of every file above
+                            world size, strategy, the optimizer's param groups (nontensor_state),
+                            and the size + sha256 of every file above
     .tmp-step_000600/       a snapshot being written (ignored and cleaned up)
+    damaged/step_000700/    a damaged snapshot, moved aside (never loaded, never deleted)
 
 Writing: every rank writes its shards into the temp folder (dcp.save, a collective), rank 0
 hashes the files into meta.json, then renames the folder into place: one rename, after all ranks
 finished. A kill at any moment leaves the older snapshots as they were. Older snapshots beyond
-`trainer.keep_snapshots` are deleted only after the new one is in place.
+the `trainer.keep_snapshots` newest valid ones are deleted only after the new one is in place.
 
 Loading: rank 0 walks the snapshots newest first and takes the first whose meta.json parses and
 whose files match their recorded sizes and hashes (a damaged one is skipped with a warning), then
@@ -260,15 +262,25 @@ def _put_rest(state: dict, stored: dict, where: str = "") -> None:
 
 # ------------------------------------------------------------------ validation
 
-def _old_format(meta) -> int | None:
+def _other_format(meta) -> int | None:
+    """The snapshot format recorded in meta.json when it is not this version's."""
     fmt = meta.get("format") if isinstance(meta, dict) else None
-    return fmt if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt < FORMAT_VERSION else None
+    ok = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt != FORMAT_VERSION
+    return fmt if ok else None
 
 
-def old_format_message(path: Path, fmt: int) -> str:
-    return (f"snapshot {path} has snapshot format {fmt}, written by an older version of this project "
-            f"(this one reads format {FORMAT_VERSION}, which unpickles nothing); export or resume it with "
-            f"that version, or use another trainer.run_dir")
+def other_format_refusal(path: Path) -> str | None:
+    """The refusal line for a snapshot of another format (None for this format, or unreadable)."""
+    try:
+        fmt = _other_format(json.loads((path / META).read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
+    if fmt is None:
+        return None
+    which = "an older" if fmt < FORMAT_VERSION else "a newer"
+    return (f"snapshot {path} has snapshot format {fmt}, written by {which} version of this project "
+            f"(this one reads format {FORMAT_VERSION}, which unpickles nothing); resume or export it "
+            f"with that version, or use another trainer.run_dir")
 
 
 def validate_snapshot(path: Path) -> tuple[dict | None, str]:
@@ -281,8 +293,8 @@ def validate_snapshot(path: Path) -> tuple[dict | None, str]:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None, "meta.json is damaged"
-    if (fmt := _old_format(meta)) is not None:
-        return None, f"snapshot format {fmt} of an older version (this one reads {FORMAT_VERSION})"
+    if (fmt := _other_format(meta)) is not None:
+        return None, f"snapshot format {fmt}, not this version's {FORMAT_VERSION}"
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
         return None, "meta.json is not a snapshot record of this version"
     for name, rec in meta["files"].items():
@@ -428,7 +440,7 @@ class SnapshotManager:
 
     def find_latest(self) -> tuple[Path, dict] | None:
         """Newest valid snapshot, agreed by all ranks (rank 0 decides, then broadcasts). A
-        snapshot of an older format is refused (UsageError on every rank), not skipped."""
+        snapshot of another format is refused (UsageError on every rank), not skipped."""
         choice = None
         if self.rank == 0:
             for path in list_snapshots(self.snap_dir):
@@ -437,9 +449,9 @@ class SnapshotManager:
                 if meta is not None:
                     choice = (str(path), meta)
                     break
-                old = _old_format(_read_meta_quietly(path))
-                if old is not None:
-                    choice = ("refuse", old_format_message(path, old))
+                refusal = other_format_refusal(path)
+                if refusal:  # not damaged: another version's; skipping it would start over
+                    choice = ("refuse", refusal)
                     break
                 warnings.warn(f"skipping snapshot {path}: {why} (moved to {self.snap_dir / DAMAGED} "
                               f"at the next save)", stacklevel=2)
@@ -481,13 +493,6 @@ def _first_cause(e: BaseException) -> BaseException:
     if isinstance(e, CheckpointException) and e.failures:
         return next(iter(e.failures.values()))[0]
     return e
-
-
-def _read_meta_quietly(path: Path):
-    try:
-        return json.loads((path / META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 @contextlib.contextmanager
