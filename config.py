@@ -54,7 +54,7 @@ class ModelConfig:
 class TrainerConfig:
     max_steps: int = 2000
     max_epochs: float = 0.0  # > 0 overrides max_steps: epochs over the train split, in steps
-    batch_size: int = 12  # GLOBAL batch: sequences per optimizer step, over all dp ranks
+    batch_size: int = 16  # GLOBAL batch: sequences per optimizer step, over all dp ranks (16: 1/2/4/8 ranks)
     micro_batch_size: int = 0  # sequences per forward/backward on one rank (0 = whole rank share)
     eval_every: int = 250
     eval_batches: int = 20
