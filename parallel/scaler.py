@@ -7,6 +7,11 @@ verdict over a process group, but its unscale kernel takes plain tensors only, a
 gradients are DTensors (mixed with plain ones for replicated parameters). This subclass hands it
 each gradient's local tensor: unscaling is elementwise, so scaling the local shard in place is
 scaling the DTensor, and a non-finite value anywhere is seen by the rank that holds it.
+
+It also gives the inf/nan verdict the shape torch's own GradScaler gives it, [] instead of
+ShardedGradScaler's [1]: GradScaler.step hands that tensor to fused optimizers, and fused AdamW
+(plain parameters, e.g. a pipeline stage without data parallelism) refuses a [1]-shaped one
+(workaround of 2026-11, torch 2.13, pytorch#140514).
 """
 from __future__ import annotations
 
@@ -36,4 +41,6 @@ class DistributedGradScaler(ShardedGradScaler):
     plain gradients alike."""
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
-        return super()._unscale_grads_(_LocalGradView(optimizer), inv_scale, found_inf, allow_fp16)
+        # A [] view of the same one-element tensor: the unscale kernel and the all-reduce in
+        # ShardedGradScaler.unscale_ write it in place; fused AdamW reads it as a scalar.
+        return super()._unscale_grads_(_LocalGradView(optimizer), inv_scale, found_inf.view(()), allow_fp16)
