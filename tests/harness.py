@@ -68,9 +68,11 @@ def python(args: list[str], timeout: float = 300, cwd: Path = REPO, **env) -> su
 def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: int = 1,
               evaluate: bool = False) -> dict:
     """Train `steps` steps of TINY + overrides in this process's launch (single process or one
-    rank of torchrun). Returns losses (dp-mean, every step), first-step gradients (whole, by
-    name), each rank's resident bytes after the backward of step `memory_at_step`, and with
-    `evaluate` the validation loss after the last step (Trainer.evaluate)."""
+    rank of torchrun). Returns losses (dp-mean, every step), the pre-clip gradient norm of every
+    step (what metrics.jsonl logs as grad_norm), first-step gradients (whole, by name), the
+    whole parameters after the last step (on rank 0; None on other ranks), each rank's resident
+    bytes after the backward of step `memory_at_step`, and with `evaluate` the validation loss
+    after the last step (Trainer.evaluate)."""
     import torch.distributed as dist
 
     from config import load_config
@@ -81,7 +83,7 @@ def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: i
     env = init_distributed(cfg)
     trainer = build_trainer(cfg, env, run_dir)
     s = trainer.strategy
-    losses, grads, memory = [], None, None
+    losses, norms, grads, memory, first_params = [], [], None, None, None
     for step in range(steps):
         loss = trainer.forward_backward()
         if step == 0:
@@ -92,13 +94,21 @@ def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: i
             if env.distributed:
                 memory = [None] * env.world_size
                 dist.all_gather_object(memory, mine)
-        trainer.optimizer_step()
+        norms.append(float(trainer.optimizer_step()))
         losses.append(float(s.reduce_mean(loss)))
-    result = {"losses": losses, "grads": grads, "memory": memory, "world": env.world_size,
-              "num_params": s.num_params, "dp": s.dp_size}
+        if step == 0:
+            first_params = _floats(s.full_model_state_dict())  # collective
+    result = {"losses": losses, "grad_norms": norms, "grads": grads, "memory": memory,
+              "first_params": first_params, "params": _floats(s.full_model_state_dict()),
+              "world": env.world_size, "num_params": s.num_params, "dp": s.dp_size}
     if evaluate:
         result["val_loss"] = trainer.evaluate()
     return result
+
+
+def _floats(state: dict | None) -> dict | None:
+    """Strategy.full_model_state_dict() (whole tensors on rank 0, None elsewhere) as fp32."""
+    return state and {k: v.float() for k, v in state.items()}
 
 
 def save_cases(cases: list[tuple[str, str]], steps: int, out: Path, **run_kwargs) -> None:

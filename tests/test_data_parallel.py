@@ -1,8 +1,10 @@
 """The data-parallel family (issue 3): dp, ddp, zero stages 1/2/3, fsdp.
 
-- parity with one process (first-step gradients <= 1e-6 abs, loss at each of 10 steps <= 1e-4
-  rel) at dp=2 (TINY: accumulation 2) and dp=4, incl. bucket/option variants, activation
-  checkpointing, bf16 autocast and fp16 loss scaling;
+- parity with one process (tests/parity.py: first-step gradients <= 1e-6 abs, loss <= 1e-4 rel
+  and gradient norm <= 1e-5 rel at each of 10 steps, parameters after the first and the last
+  step <= 1e-5 abs; bf16/fp16: norm and parameters after the first step) at dp=2 (TINY:
+  accumulation 2) and dp=4, incl. bucket/option variants, activation checkpointing, bf16
+  autocast and fp16 loss scaling; a deliberately wrong clipping norm fails it;
 - per-rank resident bytes (read from the local tensors) against the ZeRO formulas;
 - state dicts: written by zero/fsdp, loaded into another strategy and world size, bit-exact;
 - the whole app (main.main) for every strategy: trains, evaluates (val loss averaged over dp
@@ -15,6 +17,7 @@ one single-process `python main.py parallel.strategy=dp`; everything else runs i
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -22,14 +25,14 @@ import pytest
 import torch
 
 from harness import TINY, python, run_steps, torchrun
-from parity import assert_parity, load_case
+from parallel import Strategy
+from parity import FP16_SCALE, PARAM_ATOL, assert_parity, load_case, parity_errors
 
 import main as app
 
 STEPS = 10
 ZERO = "parallel.strategy=zero parallel.zero_stage="
 ODD = "model.n_embd=30 model.n_head=2"  # no tensor size divides by 4: exercises shard padding
-FP16_SCALE = 2.0 ** 16  # GradScaler's initial scale: first-step gradients are scaled by it
 
 # name -> (overrides, reference). References are single-process runs of the same model/precision.
 TWO_PROC = {
@@ -114,10 +117,9 @@ def four(tmp_path_factory, two) -> Path:
 
 
 def check_parity(ref: dict, got: dict, name: str, reference: str) -> None:
-    if reference == "fp16":  # compare true gradients: both runs scaled the loss by FP16_SCALE
-        ref = {**ref, "grads": {k: v / FP16_SCALE for k, v in ref["grads"].items()}}
-        got = {**got, "grads": {k: v / FP16_SCALE for k, v in got["grads"].items()}}
-    assert_parity(ref, got, name)
+    # fp16: compare true gradients: both runs scaled the loss by FP16_SCALE
+    assert_parity(ref, got, name, grad_scale=FP16_SCALE if reference == "fp16" else 1.0,
+                  low_precision=reference in ("bf16", "fp16"))
 
 
 # ----------------------------------------------------------------------------- parity
@@ -148,6 +150,34 @@ def test_fsdp_mixed_precision_trains_close_to_fp32(references, two):
 def test_dp_single_process_parity(references, tmp_path):
     got = run_steps(["parallel.strategy=dp"], STEPS, tmp_path)
     assert_parity(references["fp32"], got, "dp (one process, no GPU)")
+
+
+def _norm_missing_a_shard(strategy, max_norm: float) -> torch.Tensor:
+    """A broken clip: the norm counts only the first of two dim-0 shards of every gradient (as
+    FSDP shards them over 2 ranks), as if one rank's shards were left out; it clips with that."""
+    params = [p for p in strategy.unwrapped()[0].parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad.chunk(2)[0] for p in params])
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def test_parity_catches_a_wrong_norm(references, tmp_path, monkeypatch):
+    """The loss alone barely sees a wrong clipping norm (AdamW is nearly scale-invariant); the
+    norm check at every step and the parameter check do."""
+    ref = references["fp32"]
+    scaled = {**ref, "grad_norms": [n * math.sqrt(2) for n in ref["grad_norms"]]}
+    with pytest.raises(AssertionError, match="gradient norm at step 0"):
+        assert_parity(ref, scaled, "norms scaled by sqrt(2)")
+    params = {k: v.clone() for k, v in ref["params"].items()}
+    params["lm_head.weight"][3, 5] += 2 * PARAM_ATOL
+    with pytest.raises(AssertionError, match="parameter lm_head.weight after the last step"):
+        assert_parity(ref, {**ref, "params": params}, "one parameter off")
+    # a real run whose clipping norm leaves half of the gradients uncounted
+    monkeypatch.setattr(Strategy, "clip_grad_norm_", _norm_missing_a_shard)
+    broken = run_steps(["parallel.strategy=none"], STEPS, tmp_path)
+    assert parity_errors(ref, broken)["norm_rel"] > 0.2  # measured 0.36 at the first step
+    with pytest.raises(AssertionError, match="gradient norm at step 0"):
+        assert_parity(ref, broken, "norm missing a shard")
 
 
 # ----------------------------------------------------------------------------- memory
