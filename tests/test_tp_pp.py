@@ -1,13 +1,18 @@
 """Tensor parallel, pipeline parallel and their meshes (issue 4) against one process.
 
 Parity (tests/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 10 steps <= 1e-4
-relative, plus the validation loss after the last step (Trainer.evaluate: under pp the
-schedule's forward-only pass, loss on the last stage). Two launches cover every case:
+relative, the logged gradient norm at each step <= 1e-5 relative, the parameters after the first
+and the last step <= 1e-5 abs (fp16: norm and parameters after the first step only, see
+parity.assert_parity), plus the validation loss after the last step (Trainer.evaluate: under pp
+the schedule's forward-only pass, loss on the last stage). fp16 cases (loss scaling with the
+DistributedGradScaler) compare with one fp16 process; under tp only the loss can agree (see
+assert_tp_fp16_tracks). Two launches cover every case:
   2 processes: tp=2 (replicated head), tp=2 vocab-parallel + sequence-parallel + activation
                checkpointing, pp=2 with each schedule (tied weights), pp=2 untied with an uneven
-               split and activation checkpointing;
+               split and activation checkpointing; fp16 at tp=2, pp=2 and fsdp x pp=2 (dp=1:
+               plain parameters, fused AdamW);
   4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), pp=4 (middle stages hold no tied copy),
-               tp=2 x pp=2 (ZB-V, vocab-parallel, SP),
+               tp=2 x pp=2 (ZB-V, vocab-parallel, SP); fp16 at tp=2 x pp=2 and fsdp dp=2 x pp=2,
                and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
                process (a pp x tp snapshot resharded to pp = tp = 1).
 Layout errors are checked in-process (no process group): one line, UsageError.
@@ -15,6 +20,7 @@ Layout errors are checked in-process (no process group): one line, UsageError.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -23,7 +29,7 @@ from config import UsageError, load_config
 from harness import TINY, torchrun
 from parallel import strategy_class
 from parallel.mesh import DistEnv
-from parity import assert_parity, load_case
+from parity import FP16_SCALE, LOSS_RTOL, assert_parity, load_case
 from tp_pp_worker import run_case
 
 import main as app
@@ -40,6 +46,10 @@ TWO = {
     "pp2_interleaved": "parallel.pp=2 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
     "pp2_zbv": "parallel.pp=2 parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2",
     "pp2_zb": "parallel.pp=2 parallel.pp_schedule=zero_bubble",
+    # fp16 loss scaling; a plain-parameter pipeline (none, or fsdp at dp=1) steps fused AdamW
+    "tp2_fp16": "parallel.tp=2 trainer.precision=fp16",
+    "pp2_1f1b_fp16": "parallel.pp=2 parallel.pp_schedule=1f1b trainer.precision=fp16",
+    "fsdp_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
 }
 TWO_UNTIED = {"pp2_untied_split31_ac": ("parallel.pp=2 parallel.pp_split=3,1 model.tie_weights=false "
                                         "parallel.activation_checkpointing=true")}
@@ -50,6 +60,8 @@ FOUR = {
     "tp2_pp2_zbv_vocab_sp": ("parallel.tp=2 parallel.pp=2 parallel.pp_schedule=zero_bubble "
                              "parallel.pp_stages_per_rank=2 parallel.tp_vocab_parallel=true "
                              "parallel.sequence_parallel=true"),
+    "tp2_pp2_fp16": "parallel.tp=2 parallel.pp=2 trainer.precision=fp16",
+    "fsdp_dp2_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
 }
 APP = TINY + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.save_every=10"]
 APP_MESH = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
@@ -66,17 +78,39 @@ def launch(nproc: int, out, cases: dict, apps: list[list[str]] = ()) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def reference_of(name: str) -> str:
+    return "untied" if name in TWO_UNTIED else "tied_fp16" if name.endswith("_fp16") else "tied"
+
+
 def assert_case(ref: dict, got: dict, name: str) -> None:
-    assert_parity(ref, got, name)
+    fp16 = name.endswith("_fp16")
+    if fp16 and name.startswith("tp2"):
+        assert_tp_fp16_tracks(ref, got, name)
+    else:
+        assert_parity(ref, got, name, grad_scale=FP16_SCALE if fp16 else 1.0, low_precision=fp16)
     assert abs(got["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"], (
         f"{name}: validation loss {got['val_loss']} vs one process {ref['val_loss']}")
+
+
+def assert_tp_fp16_tracks(ref: dict, got: dict, name: str) -> None:
+    """fp16 under tp is not bit-comparable with one fp16 process at all: a row-parallel matmul
+    rounds each rank's partial sum to fp16 before the all-reduce adds them, where one process
+    rounds the whole sum once (measured at step 0: gradients 1.4e-4 apart, norm 1.5e-5). What
+    holds: the loss at every step (measured within 3e-6), and the grad scaler skips the same
+    steps (all ranks agree on inf/nan: the DistributedGradScaler verdict)."""
+    assert len(got["losses"]) == len(ref["losses"]) >= 10, name
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
+        assert abs(a - b) <= LOSS_RTOL * abs(a), f"{name}: loss at step {step}: {b} vs one process {a}"
+    skipped = [[not math.isfinite(n) for n in run["grad_norms"]] for run in (ref, got)]
+    assert skipped[0] == skipped[1], f"{name}: fp16 steps skipped {skipped[1]} vs one process {skipped[0]}"
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     return {"tied": run_case(["parallel.strategy=none"], STEPS, out / "tied"),
-            "untied": run_case(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied")}
+            "untied": run_case(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied"),
+            "tied_fp16": run_case(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16")}
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +129,12 @@ def four(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(TWO) + list(TWO_UNTIED))
 def test_parity_two_processes(references, two, name):
-    ref = references["untied" if name in TWO_UNTIED else "tied"]
-    assert_case(ref, load_case(two, name), name)
+    assert_case(references[reference_of(name)], load_case(two, name), name)
 
 
 @pytest.mark.parametrize("name", list(FOUR))
 def test_parity_four_processes(references, four, name):
-    assert_case(references["tied"], load_case(four, name), name)
+    assert_case(references[reference_of(name)], load_case(four, name), name)
 
 
 def _metrics(run_dir) -> list[dict]:
