@@ -274,10 +274,18 @@ def validate(cfg: Config) -> None:
     if d.sha256 and not (len(d.sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in d.sha256)):
         raise UsageError(f"data.sha256='{d.sha256[:70]}' is not a sha256 (64 hex digits); fix it or "
                          f"set it to '' to skip the check")
-    cache = Path(d.cache_dir).expanduser()
-    if not d.cache_dir or (cache.exists() and not cache.is_dir()):
-        raise UsageError(f"data.cache_dir='{d.cache_dir}' is not a folder; point it at a folder for "
-                         f"downloaded corpora")
+    if not d.cache_dir:
+        raise UsageError("data.cache_dir is empty; point it at a folder for downloaded corpora")
+    if d.path.startswith(("http://", "https://")):  # the cache is only read for a URL
+        cache = Path(d.cache_dir).expanduser()
+        try:
+            not_a_folder = cache.exists() and not cache.is_dir()
+        except OSError as e:  # e.g. another user's ~/.cache: exists() itself is refused
+            raise UsageError(f"data.cache_dir='{d.cache_dir}' cannot be read ({e.strerror}); point it "
+                             f"at a folder this user can write") from None
+        if not_a_folder:
+            raise UsageError(f"data.cache_dir='{d.cache_dir}' is not a folder; point it at a folder for "
+                             f"downloaded corpora")
     for k in ("n_layer", "n_head", "n_embd", "block_size"):
         _positive(f"model.{k}", getattr(m, k))
     if m.n_embd % m.n_head:

@@ -114,7 +114,8 @@ BAD_INPUTS = {
     # every other validated key of data/model/trainer/optimizer and the layout-wide parallel keys
     "tokenizer": (["data.tokenizer=bpe"], "not one of char, gpt2"),
     "sha256": (["data.sha256=abc"], "data.sha256"),
-    "cache_dir a file": (["data.cache_dir={root}/a_file"], "data.cache_dir"),
+    "cache_dir a file": (["data.path=http://127.0.0.1:9/x.txt", "data.cache_dir={root}/a_file"],
+                         "data.cache_dir"),
     "cache_dir empty": (["data.cache_dir="], "data.cache_dir"),
     "truncate": (["data.truncate=-1"], "data.truncate must be >= 0"),
     "val_fraction": (["data.val_fraction=1.5"], "between 0 and 1"),

@@ -29,6 +29,7 @@ import parallel.mesh  # noqa: F401
 import runlock  # noqa: F401
 import sample  # noqa: F401
 import tracking  # noqa: F401
+import trainer  # noqa: F401
 from harness import REPO, TINY, child_env, torchrun
 
 RUN = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "trainer.save_every=2"]
@@ -188,4 +189,25 @@ def test_read_only_run_dir_is_bad_input(trained):
         for p in [base, *base.rglob("*")]:
             if p.is_dir():
                 p.chmod(0o755)
+        shutil.rmtree(base)
+
+
+def test_unreadable_cache_dir_is_one_line_and_ignored_for_a_local_corpus():
+    """Another user's ~/.cache (as "nobody", root's home is mode 700): Path.exists() itself raises
+    PermissionError. A URL corpus needs the cache: one line, exit 2; a local corpus never reads it."""
+    base = Path(tempfile.mkdtemp(prefix="mingpt-cache-"))  # pytest's tmp_path is root-only
+    try:
+        base.chmod(0o777)
+        unreadable = "/root/.cache/mingpt-parallel-test"
+        rc, err = launch_as_other_user(RUN + ["trainer.max_steps=2", f"trainer.run_dir={base}/url",
+                                              "data.path=http://127.0.0.1:9/corpus.txt",
+                                              f"data.cache_dir={unreadable}"])
+        assert rc == 2 and "data.cache_dir='/root/.cache/mingpt-parallel-test' cannot be read" \
+            in one_error_line(err), err
+        assert not (base / "url").exists()
+        rc, err = launch_as_other_user(RUN + ["trainer.max_steps=2", f"trainer.run_dir={base}/local",
+                                              f"data.cache_dir={unreadable}"])
+        assert rc == 0, err
+        assert (base / "local" / "snapshots" / "step_0000002").is_dir()
+    finally:
         shutil.rmtree(base)
