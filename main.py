@@ -98,7 +98,6 @@ def run(argv) -> int:
     from model import GPTConfig
     from parallel.mesh import init_distributed, shutdown
     from runlock import lock_run_dir
-    from sample import generate_text, model_from_state
     from tracking import RunTracker
 
     args = parse_args(argv)
@@ -144,19 +143,20 @@ def run(argv) -> int:
                       f"saved {summary['snapshot']}; run the same command again to resume", flush=True)
             return stop_exit_code(summary["stopped"], env.distributed)
 
-        # ---- outputs: consolidated weights and a short sample
-        sd = trainer.export(run_dir / "model.pt")
-        if env.rank == 0 and cfg.trainer.sample_tokens:
-            sampler = model_from_state(sd, gpt_cfg)
-            sample = generate_text(sampler, tok, prompt="\n", tokens=cfg.trainer.sample_tokens,
-                                   seed=cfg.trainer.seed)
-            (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
-            print(f"--- sample ---\n{sample}\n--------------", flush=True)
+        # ---- outputs: consolidated weights, a short sample, the wandb summary. The run is complete
+        # here (its final snapshot is written), so a failure from now on is one warning and never
+        # an exit code, and every rank still reaches the barrier (a rank that left would strand
+        # the others in it).
+        sd = _after_training("writing model.pt", lambda: trainer.export(run_dir / "model.pt"),
+                             f"; python export.py --run-dir {run_dir} writes it from the final snapshot")
+        if env.rank == 0 and cfg.trainer.sample_tokens and sd is not None:
+            _after_training("the sample", lambda: _write_sample(sd, gpt_cfg, tok, cfg, run_dir))
         env.barrier()
         if strategy.is_tracker:
             sample_path = run_dir / "sample.txt"
             if sample_path.is_file():
-                trainer.tracker.log_text("sample", sample_path.read_text(encoding="utf-8"))
+                _after_training("logging the sample", lambda: trainer.tracker.log_text(
+                    "sample", sample_path.read_text(encoding="utf-8")))
             trainer.tracker.summary({k: v for k, v in summary.items() if v is not None})
             trainer.tracker.finish()
             print(f"done: step {summary['final_step']} | val loss {summary['val_loss']:.4f} | "
@@ -166,6 +166,27 @@ def run(argv) -> int:
             lock.release()
         shutdown()
     return 0
+
+
+def _write_sample(sd, gpt_cfg, tok, cfg, run_dir: Path) -> None:
+    from sample import default_prompt, generate_text, model_from_state
+    sampler = model_from_state(sd, gpt_cfg)
+    sample = generate_text(sampler, tok, prompt=default_prompt(tok), tokens=cfg.trainer.sample_tokens,
+                           seed=cfg.trainer.seed)
+    (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
+    print(f"--- sample ---\n{sample}\n--------------", flush=True)
+
+
+def _after_training(what: str, fn, fix: str = ""):
+    """fn() for an output of a finished run; a failure is one warning line and returns None."""
+    from config import redact_url
+    try:
+        return fn()
+    except Exception as e:  # the run is complete: nothing here may turn it into a failed one
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        warnings.warn(redact_url(f"{what} failed after training ({type(e).__name__}: {first}); the run "
+                                 f"itself is complete{fix}"), stacklevel=2)
+        return None
 
 
 def main(argv=None) -> int:

@@ -39,6 +39,17 @@ def load_model_pt(path: Path):
     return model, tokenizer_from_dict(payload["tokenizer"]), payload
 
 
+def default_prompt(tok) -> str:
+    """Where a sample starts when no prompt is given: a line start ("\n") when the vocabulary
+    has one, else its first token (a corpus without newlines has no "\n" token)."""
+    try:
+        if tok.encode("\n").numel() == 1:
+            return "\n"
+    except UsageError:
+        pass
+    return tok.decode([0])
+
+
 def generate_text(model: GPT, tok, prompt: str, tokens: int, temperature: float = 0.8,
                   top_k: int | None = 200, seed: int = 1337) -> str:
     ids = tok.encode(prompt)
@@ -52,7 +63,8 @@ def generate_text(model: GPT, tok, prompt: str, tokens: int, temperature: float 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, help="the run folder (trainer.run_dir)")
-    ap.add_argument("--prompt", default="\n")
+    ap.add_argument("--prompt", default=None, help='text to continue (default: "\\n", or the '
+                    'first token of the vocabulary when it has no newline)')
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=200)
@@ -62,6 +74,13 @@ def main(argv=None) -> int:
     try:
         if args.tokens < 1:
             raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
+        if args.prompt is not None:
+            try:  # argv bytes that are not UTF-8 arrive as lone surrogates (PEP 383)
+                args.prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                byte = ord(args.prompt[e.start]) & 0xFF
+                raise UsageError(f"--prompt is not UTF-8 text (byte 0x{byte:02x} at character {e.start + 1}); "
+                                 f"pass UTF-8 text, e.g. convert it with iconv -t utf-8") from None
         run_dir = Path(args.run_dir)
         if args.snapshot:
             from export import consolidate
@@ -71,7 +90,8 @@ def main(argv=None) -> int:
             tok = tokenizer_from_dict(payload["tokenizer"])
         else:
             model, tok, _ = load_model_pt(run_dir / "model.pt")
-        print(generate_text(model, tok, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+        prompt = default_prompt(tok) if args.prompt is None else args.prompt
+        print(generate_text(model, tok, prompt, args.tokens, args.temperature, args.top_k, args.seed))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

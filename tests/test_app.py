@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import export
 import main as app
 import sample
 from config import load_config
-from harness import TINY, python
+from harness import CORPUS, TINY, python
 from parallel.mesh import init_distributed
 from trainer import lr_at, total_steps
 
@@ -62,6 +64,10 @@ def test_python_main_py_trains_and_writes_every_output(tmp_path, capsys):
     r = python(["sample.py", "--run-dir", str(run), "--prompt", "ROMEO:", "--tokens", "50"], timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ROMEO:") and len(r.stdout.rstrip("\n")) == len("ROMEO:") + 50
+    # a prompt that is not UTF-8 (real bytes in argv; Python hands them over as surrogates)
+    r = python(["sample.py", "--run-dir", str(run), "--prompt", os.fsdecode(b"RO\xffMEO")], timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: --prompt"), r.stderr
 
     # sample.py --snapshot and export.py (in-process): the newest snapshot is the final model
     capsys.readouterr()
@@ -147,3 +153,27 @@ def test_resume_with_dropout_reproduces_the_uninterrupted_run_bit_for_bit(tmp_pa
     assert app.main(TINY + ["parallel.strategy=none", "trainer.max_steps=9", "trainer.sample_tokens=0",
                             "optimizer.lr_decay_steps=9", f"trainer.run_dir={tmp_path / 'nodrop'}"]) == 0
     assert not torch.equal(model_pt(tmp_path / "nodrop")["model"]["lm_head.weight"], a["lm_head.weight"])
+
+
+def test_corpus_without_newlines_and_a_failing_output_after_training(tmp_path, capsys):
+    """The end-of-run sample used to start from "\n": with a corpus that has none, a finished run
+    exited 2. Now it starts from a token of the vocabulary; and whatever fails after training (here
+    sample.txt cannot be written: a folder is in its place) is one warning, the run exits 0."""
+    one_line = tmp_path / "one_line.txt"
+    one_line.write_text(CORPUS.read_text(encoding="utf-8")[:100_000].replace("\n", " "), encoding="utf-8")
+    run = tmp_path / "run"
+    assert app.main(TINY + [f"data.path={one_line}", "trainer.max_steps=2", f"trainer.run_dir={run}"]) == 0
+    assert "\n" not in json.loads((run / "tokenizer.json").read_text(encoding="utf-8"))["chars"]
+    assert len((run / "sample.txt").read_text(encoding="utf-8")) == 1 + 20  # start token + sample_tokens
+    capsys.readouterr()
+    assert sample.main(["--run-dir", str(run), "--tokens", "5"]) == 0  # sample.py's default prompt too
+    assert len(capsys.readouterr().out.rstrip("\n")) == 1 + 5
+
+    blocked = tmp_path / "blocked"
+    (blocked / "sample.txt").mkdir(parents=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert app.main(TINY + ["trainer.max_steps=2", f"trainer.run_dir={blocked}"]) == 0
+    ours = [str(w.message) for w in caught if "sample" in str(w.message)]
+    assert len(ours) == 1 and "\n" not in ours[0] and "IsADirectoryError" in ours[0], ours
+    assert "done: step 2" in capsys.readouterr().out and (blocked / "model.pt").is_file()
