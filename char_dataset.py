@@ -11,12 +11,14 @@ batch of a step is identical whatever the world size, and a resume needs nothing
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import sys
 import sysconfig
 import tempfile
+import urllib.parse
 import urllib.request
 import warnings
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import TINY_SHAKESPEARE_SHA256, DataConfig, UsageError
+from config import TINY_SHAKESPEARE_SHA256, DataConfig, UsageError, redact_url
 
 FALLBACK_CHARS = 2_000_000  # size of the offline fallback corpus
 
@@ -52,18 +54,31 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _request(url: str) -> urllib.request.Request:
+    """urllib does not take user:password@ in a URL (it would look the whole netloc up as a host
+    name): send it as HTTP basic auth instead."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return urllib.request.Request(url)
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    creds = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+    return urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=host)),
+                                  headers={"Authorization": "Basic " + base64.b64encode(creds).decode()})
+
+
 def _download(url: str, dest: Path, sha256: str) -> None:
     """Download url to dest atomically (temp file + rename) and check its hash."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".part")
     try:
-        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=20) as r:
+        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(_request(url), timeout=20) as r:
             while chunk := r.read(1 << 20):
                 f.write(chunk)
         got = _sha256(Path(tmp))
         if sha256 and got != sha256:
-            raise UsageError(f"download of {url} has sha256 {got[:12]}..., expected {sha256[:12]}...; "
-                             f"set data.sha256 to the right hash (or '' to skip the check)")
+            raise UsageError(f"download of {redact_url(url)} has sha256 {got[:12]}..., expected "
+                             f"{sha256[:12]}...; set data.sha256 to the right hash (or '' to skip the check)")
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
@@ -88,16 +103,19 @@ def fallback_corpus() -> str:
 
 
 def corpus_cache_path(cfg: DataConfig) -> Path:
-    name = cfg.path.rstrip("/").rsplit("/", 1)[-1] or "corpus.txt"
+    # the name from the URL's path only: its query may hold a token
+    name = urllib.parse.urlsplit(cfg.path).path.rstrip("/").rsplit("/", 1)[-1] or "corpus.txt"
     key = hashlib.sha256(cfg.path.encode()).hexdigest()[:8]
     return Path(os.path.expanduser(cfg.cache_dir)) / f"{key}-{name}"
 
 
 def load_corpus(cfg: DataConfig, is_local_leader: bool = True, barrier=lambda: None) -> tuple[str, str]:
     """Returns (text, description). For a URL, the local leader downloads while the others wait
-    at `barrier`, then everyone reads the cached file."""
+    at `barrier`, then everyone reads the cached file. The description and every message name
+    the URL with its credentials redacted (config.redact_url)."""
+    shown = redact_url(cfg.path)
     if not cfg.path.startswith(("http://", "https://")):
-        text, source = _read_text(Path(cfg.path).expanduser(), "data file"), cfg.path
+        text, source = _read_text(Path(cfg.path).expanduser(), "data file"), shown
     else:
         cached = corpus_cache_path(cfg)
         error = None
@@ -113,16 +131,16 @@ def load_corpus(cfg: DataConfig, is_local_leader: bool = True, barrier=lambda: N
             if cfg.sha256 and _sha256(cached) != cfg.sha256:
                 raise UsageError(f"cached corpus {cached} does not match data.sha256; delete it to "
                                  f"download again")
-            text, source = _read_text(cached, "cached corpus"), f"{cfg.path} (cached at {cached})"
+            text, source = _read_text(cached, "cached corpus"), f"{shown} (cached at {cached})"
         elif cfg.offline_fallback:
             why = f": {type(error).__name__}" if error else ""
             if is_local_leader:
-                warnings.warn(f"cannot download {cfg.path}{why}; training on the Python standard "
+                warnings.warn(f"cannot download {shown}{why}; training on the Python standard "
                               f"library's source text instead (set data.path to a local file to "
                               f"choose the corpus)", stacklevel=2)
             text, source = fallback_corpus(), "python-stdlib-fallback"
         else:
-            raise UsageError(f"cannot download {cfg.path} and no cached copy exists; put the file "
+            raise UsageError(f"cannot download {shown} and no cached copy exists; put the file "
                              f"at {cached} or set data.path to a local file")
     if cfg.truncate:
         text = text[: cfg.truncate]

@@ -12,7 +12,9 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,44 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 
 class UsageError(Exception):
     """Bad input from the user. The message is one line: the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------- redaction
+
+REDACTED = "***"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+# Query parameters that carry credentials: tokens, API keys, signed-URL signatures (S3's
+# X-Amz-Signature / X-Amz-Credential, Azure SAS `sig`), passwords, session ids.
+_SECRET_PARAM = re.compile(r"token|key|sig|pass|pwd|secret|auth|credential|session", re.IGNORECASE)
+
+
+def _redact_one(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, host = netloc.rsplit("@", 1)
+        # user:password -> user:***; a lone user part may itself be a token (https://TOKEN@host)
+        netloc = f"{user.split(':', 1)[0]}:{REDACTED}@{host}" if ":" in user else f"{REDACTED}@{host}"
+    query = "&".join(
+        f"{k}={REDACTED}" if _SECRET_PARAM.search(k) and v else (f"{k}={v}" if sep else k)
+        for k, sep, v in (item.partition("=") for item in parts.query.split("&"))) if parts.query else ""
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_url(text: str) -> str:
+    """`text` with the credentials of every URL in it replaced by ***: the password of
+    user:password@ (or a lone user part, often a token), and the values of query parameters whose
+    names speak of a token, key, signature, password, secret, auth, credential or session.
+    Everything the project writes or prints about the config or the corpus source goes through
+    this one function (Config.to_dict, char_dataset's source line, warnings and errors); the real
+    URL stays in the live config, and only the download uses it."""
+    return _URL.sub(lambda m: _redact_one(m.group(0)), text)
+
+
+def has_redacted_credentials(url: str) -> bool:
+    """A URL whose credentials are the *** of a redacted copy (e.g. a run's config.yaml)."""
+    probe = url.replace(REDACTED, "x")
+    return REDACTED in url and redact_url(url) == url and redact_url(probe) != probe
 
 
 @dataclass
@@ -133,7 +173,9 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as plain data, for everything that writes or prints it (config.yaml,
+        meta.json, model.pt, wandb, stdout): credentials in URLs are redacted (redact_url)."""
+        return _redact_strings(dataclasses.asdict(self))
 
     def model_fingerprint(self) -> str:
         """Hash of what fixes the parameter shapes: a snapshot only loads into the same shapes."""
@@ -141,6 +183,14 @@ class Config:
         shape.pop("dropout")
         shape["tokenizer"] = self.data.tokenizer
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _redact_strings(value):
+    if isinstance(value, dict):
+        return {k: _redact_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_strings(v) for v in value]
+    return redact_url(value) if isinstance(value, str) else value
 
 
 # ----------------------------------------------------------------------------- loading
@@ -271,6 +321,9 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"data.val_fraction must be between 0 and 1, got {d.val_fraction}")
     if not d.path:
         raise UsageError("data.path is empty; give a text file or an http(s) URL")
+    if has_redacted_credentials(d.path):
+        raise UsageError(f"data.path='{d.path}' holds redacted credentials ({REDACTED}), e.g. copied "
+                         f"from a run's config.yaml; pass the real URL: data.path=...")
     if d.sha256 and not (len(d.sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in d.sha256)):
         raise UsageError(f"data.sha256='{d.sha256[:70]}' is not a sha256 (64 hex digits); fix it or "
                          f"set it to '' to skip the check")

@@ -19,10 +19,13 @@ and is still the same run; a manual launch without a snapshot is a new run.
 
 wandb failures (no network, bad key, service down) never stop training: one warning line, then
 wandb is off for the rest of the launch while metrics.jsonl goes on. The API key is never printed
-or written: wandb reads it from the environment itself, and warning texts are redacted.
+or written: wandb reads it from the environment itself, and warning texts are redacted. Credentials
+in a data.path URL are redacted (config.redact_url) in the config and in the command line that
+wandb records.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -33,7 +36,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, TextIO
 
-from config import Config
+from config import Config, redact_url
 
 TRACKER_FILE = "tracker.json"
 METRICS_FILE = "metrics.jsonl"
@@ -74,7 +77,19 @@ def _read_json(path: Path) -> dict:
 
 def _redact(text: str) -> str:
     key = os.environ.get("WANDB_API_KEY")
-    return text.replace(key, "***") if key else text
+    return redact_url(text.replace(key, "***") if key else text)
+
+
+@contextlib.contextmanager
+def _redacted_argv():
+    """wandb.init records the command line (Settings._args reads sys.argv) into the run's
+    metadata, and a data.path=URL override may carry credentials."""
+    argv = sys.argv
+    sys.argv = [redact_url(a) for a in argv]
+    try:
+        yield
+    finally:
+        sys.argv = argv
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -148,13 +163,14 @@ class RunTracker(NullTracker):
             import wandb
             wdir = Path(w.dir).expanduser() if w.dir else self.run_dir
             wdir.mkdir(parents=True, exist_ok=True)
-            self._wandb = wandb.init(
-                project=w.project, entity=w.entity or None, name=w.name or self.run_dir.name,
-                group=w.group or None, tags=list(w.tags) or None, dir=str(wdir), mode=self.mode,
-                id=self.run_id, resume="allow", config=self.cfg.to_dict(), allow_val_change=True,
-                settings=wandb.Settings(init_timeout=wandb_timeout(), finish_timeout=wandb_timeout(),
-                                        console="off", silent=True),
-            )
+            with _redacted_argv():
+                self._wandb = wandb.init(
+                    project=w.project, entity=w.entity or None, name=w.name or self.run_dir.name,
+                    group=w.group or None, tags=list(w.tags) or None, dir=str(wdir), mode=self.mode,
+                    id=self.run_id, resume="allow", config=self.cfg.to_dict(), allow_val_change=True,
+                    settings=wandb.Settings(init_timeout=wandb_timeout(), finish_timeout=wandb_timeout(),
+                                            console="off", silent=True),
+                )
             # online resume: the server knows the last step it holds (the next one is run.step)
             self.last_logged_step = max(self.last_logged_step, int(self._wandb.step) - 1)
         except Exception as e:  # no network, bad key, service down, wandb missing pieces

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import main as app
-from config import Config, load_config
+from config import Config, load_config, redact_url
 from harness import REPO, TINY, python
 
 YAML_PATH = REPO / "gpt2_train_cfg.yaml"
@@ -120,6 +120,7 @@ BAD_INPUTS = {
     "truncate": (["data.truncate=-1"], "data.truncate must be >= 0"),
     "val_fraction": (["data.val_fraction=1.5"], "between 0 and 1"),
     "empty path": (["data.path="], "data.path is empty"),
+    "redacted URL": (["data.path=http://reader:***@127.0.0.1:9/c.txt?token=***"], "holds redacted credentials"),
     "offline_fallback": (["data.offline_fallback=maybe"], "data.offline_fallback' must be true or false"),
     "n_layer": (["model.n_layer=0"], "model.n_layer must be > 0"),
     "n_head": (["model.n_head=0"], "model.n_head must be > 0"),
@@ -191,3 +192,19 @@ def test_bad_input_through_python_main_py(overrides, words, existing_run):
     assert "Traceback" not in r.stderr + r.stdout
     assert digests(run) == before
 
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("https://reader:pw@host:8/c.txt?v=1&token=t0k", "https://reader:***@host:8/c.txt?v=1&token=***"),
+    ("https://ghp_T0KEN@github.com/a/b.txt", "https://***@github.com/a/b.txt"),
+    ("https://b.s3.amazonaws.com/f?X-Amz-Credential=AK&X-Amz-Signature=ab&X-Amz-Date=1",
+     "https://b.s3.amazonaws.com/f?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Date=1"),
+    ("from https://h/f?sig=s1&api_key=k2#top (cached at /c)", "from https://h/f?sig=***&api_key=***#top (cached at /c)"),
+    ("https://raw.githubusercontent.com/karpathy/char-rnn/master/input.txt?raw", None),
+    ("/data/corpus.txt", None),
+])
+def test_redact_url_hides_credentials_and_keeps_the_rest(url, shown):
+    assert redact_url(url) == (shown or url)
+    cfg = load_config(None, [f"data.path={url}"] if url.startswith("https://") else [])
+    if url.startswith("https://"):
+        assert cfg.data.path == url and cfg.to_dict()["data"]["path"] == (shown or url)
