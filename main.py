@@ -132,6 +132,7 @@ def run(argv) -> int:
                   f"vocab {tok.vocab_size} ({tok.kind})\n"
                   f"model: {strategy.num_params:,} parameters | strategy {strategy.describe()} | "
                   f"world {env.world_size} = pp {pp} x dp {dp} x tp {tp} | device {env.device} | "
+                  f"mfu peak {trainer.peak_label} | "
                   f"{trainer.max_steps} steps of {cfg.trainer.batch_size} x {cfg.model.block_size} tokens"
                   + (f" | resumed from {meta['path']} at step {trainer.step}" if meta else ""), flush=True)
 

@@ -34,7 +34,7 @@ from char_dataset import Batching, CharDataset
 from config import Config, UsageError
 from parallel import Strategy, local_tensor
 from parallel.mesh import control_group
-from perf import device_peak_flops, mfu
+from perf import device_peak, mfu, set_fp32_matmul_mode
 from snapshot import SnapshotManager, _fault_point, rng_state, set_rng_state
 from tracking import NullTracker, Progress
 
@@ -68,9 +68,9 @@ def total_steps(cfg: Config, data: CharDataset) -> int:
     return t.max_steps
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+def rss_peak_bytes() -> int:
+    """Peak resident set size of this process: every byte it touched (interpreter, libraries,
+    allocator caches, communication buffers), not only the training tensors."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -147,7 +147,10 @@ class Trainer:
         self.snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, strategy.env.rank,
                                          strategy.env.distributed)
         self.flops_per_token = strategy.flops_per_token
-        self.peak_flops = device_peak_flops(strategy.device, cfg.trainer.precision, cfg.trainer.peak_flops)
+        set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
+        self.peak_flops, self.peak_label = device_peak(strategy.device, cfg.trainer.precision,
+                                                       cfg.trainer.peak_flops)
+        self.held_bytes: dict[str, int] = {}  # Strategy.resident_bytes, read on log steps
         self.last_val_loss: float | None = None
         self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
         self.stop_request = StopRequest()
@@ -311,6 +314,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.strategy.after_optimizer_step()
+        if self._is_log_step(self.step + 1):  # all of params, grads and optimizer state exist now
+            self.held_bytes = self.strategy.resident_bytes(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
@@ -328,12 +333,34 @@ class Trainer:
         if _fault_point("update", self.step, self.strategy.env.rank) == "nan":
             local_tensor(next(self.strategy.unwrapped()[0].parameters())).fill_(float("nan"))
 
-    def _reduce_max(self, value: float) -> float:
-        if not self.strategy.env.distributed:
-            return value
-        t = torch.tensor(float(value), device=self.strategy.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+    def _is_log_step(self, step: int) -> bool:
+        return step % self.cfg.trainer.log_every == 0 or step == self.max_steps
+
+    def _step_seconds(self, t0: float) -> float:
+        """Seconds since t0 for the step just done. CUDA kernels run after the host returns: before
+        the clock is read at a step that ends a log window or precedes eval/save, wait for them
+        (one synchronize per window), so each window's time holds all of its GPU work."""
+        t, step = self.cfg.trainer, self.step
+        if self.strategy.device.type == "cuda" and (
+                self._is_log_step(step) or step % t.eval_every == 0 or (t.save_every and step % t.save_every == 0)):
+            torch.cuda.synchronize(self.strategy.device)
+        return time.perf_counter() - t0
+
+    def _memory_row(self) -> dict[str, float]:
+        """MiB, max over ranks (one collective): the process's peak RSS, the tensor bytes the
+        strategy holds (params, grads, optimizer state: comparable across strategies), and on
+        CUDA the allocator's peak."""
+        s, held = self.strategy, self.held_bytes
+        row = {"rss_peak_mb": rss_peak_bytes(), "held_params_mb": held.get("params", 0),
+               "held_grads_mb": held.get("grads", 0), "held_optim_mb": held.get("optimizer", 0)}
+        if s.device.type == "cuda":
+            row["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated(s.device)
+        values = [float(v) for v in row.values()]  # bytes: exact in float64 up to 8 PiB
+        if s.env.distributed:
+            t = torch.tensor(values, dtype=torch.float64, device=s.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            values = t.tolist()
+        return {k: v / 2**20 for k, v in zip(row, values)}
 
     def _note_loss(self, loss: torch.Tensor) -> None:
         """Remember the first step whose loss on this rank was not finite, on the device: no sync
@@ -374,7 +401,7 @@ class Trainer:
         s = self.strategy
         tokens_per_step = t.batch_size * self.cfg.model.block_size
         progress = Progress(self.max_steps, self.step, enabled=s.is_tracker)
-        window_time, window_steps, step_times = 0.0, 0, []
+        window_time, window_steps, window_means = 0.0, 0, []
         tokens_per_sec = 0.0
         vote = StopVote(self.stop_request, s.env.distributed)
         self._bad_loss_step = torch.full((), _NEVER, dtype=torch.int64, device=s.device)
@@ -385,8 +412,7 @@ class Trainer:
             loss, norm = self.train_step()
             self._poison_if_asked()
             self._note_loss(loss)
-            step_times.append(time.perf_counter() - t0)  # train step only: eval/save excluded
-            window_time += step_times[-1]
+            window_time += self._step_seconds(t0)  # train step only: eval/save excluded
             window_steps += 1
             row = {}
             last = self.step == self.max_steps
@@ -395,10 +421,10 @@ class Trainer:
                 self._check_finite(params=False)
                 loss_v = float(s.reduce_mean(loss))
                 tokens_per_sec = tokens_per_step * window_steps / window_time
+                window_means.append(window_time / window_steps)
                 row.update(loss=loss_v, lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
-                           mfu=mfu(self.flops_per_token, tokens_per_sec, self.peak_flops, s.env.world_size),
-                           step_time_ms=1000 * window_time / window_steps,
-                           peak_mem_mb=self._reduce_max(peak_memory_bytes(s.device)) / 2**20)
+                           mfu=mfu(self.flops_per_token, tokens_per_sec, self.peak_flops, s.num_devices),
+                           step_time_ms=1000 * window_means[-1], **self._memory_row())
                 progress.update(self.step, row)
                 window_time, window_steps = 0.0, 0
             if self.step % t.eval_every == 0 or last:
@@ -419,7 +445,8 @@ class Trainer:
             return {"final_step": self.step, "stopped": stopped, "snapshot": str(snapshot)}
         if self.last_val_loss is None:  # resumed at max_steps: nothing trained, still report it
             self.last_val_loss = self.evaluate()
-        med = sorted(step_times)[len(step_times) // 2] if step_times else 0.0
+        # per log window: on CUDA only a window's end is synchronized, so single steps are not timed
+        med = sorted(window_means)[len(window_means) // 2] if window_means else 0.0
         return {"final_step": self.step, "val_loss": self.last_val_loss,
                 "median_step_ms": 1000 * med, "tokens_per_sec": tokens_per_sec}
 

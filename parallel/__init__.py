@@ -134,6 +134,12 @@ class Strategy:
         """One phrase for the start-up line, e.g. 'ddp (bucket 25 MB)'."""
         return self.name
 
+    @property
+    def num_devices(self) -> int:
+        """Devices this layout computes on, all processes together (MFU divides by their peak):
+        one per process."""
+        return self.env.world_size
+
     # ------------------------------------------------------------------ setup
 
     def setup(self, model: GPT) -> None:

@@ -36,6 +36,12 @@ class DataParallelStrategy(Strategy):
     def gpu_ids(self) -> list[int]:
         return list(range(torch.cuda.device_count())) if self.device.type == "cuda" else []
 
+    @property
+    def num_devices(self) -> int:
+        """Every GPU that nn.DataParallel splits the batch over (it is used from 2 GPUs on)."""
+        ids = self.gpu_ids
+        return len(ids) if len(ids) >= 2 else 1
+
     def describe(self) -> str:
         ids = self.gpu_ids
         if len(ids) < 2:

@@ -10,21 +10,27 @@ wandb 0.31 writes no history/config/summary files offline, only the `.wandb` tra
 """
 from __future__ import annotations
 
+import base64
+import hashlib
+import http.server
 import io
 import json
 import shutil
 import struct
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
-from harness import REPO, TINY, child_env, torchrun
+from harness import CORPUS, REPO, TINY, child_env, torchrun
 
 FAKE_KEY = "fakekey0SECRET0" + "0123456789abcdef" * 2  # 47 characters: never a real key
-METRIC_KEYS = {"loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_mb", "step_time_ms"}
+METRIC_KEYS = {"loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "step_time_ms", "rss_peak_mb",
+               "held_params_mb", "held_grads_mb", "held_optim_mb"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -193,6 +199,71 @@ def test_two_process_run_has_one_wandb_run(tmp_path):
     assert metric_steps(run_dir) == [5]  # written once, by the tracker rank only
     progress = [ln for ln in r.stderr.splitlines() if ln.startswith("step 5/5")]
     assert len(progress) == 1, r.stderr[-2000:]
+
+
+SECRET_PASSWORD, SECRET_TOKEN = "pw0SECRET0pass", "tk0SECRET0token"
+
+
+@pytest.fixture
+def corpus_behind_credentials():
+    """A newline-free corpus on 127.0.0.1 that is served only with HTTP basic auth
+    reader:SECRET_PASSWORD and ?token=SECRET_TOKEN. Yields (url, body, list of answered requests)."""
+    body = CORPUS.read_text(encoding="utf-8")[:100_000].replace("\n", " ").encode()
+    expected_auth = "Basic " + base64.b64encode(f"reader:{SECRET_PASSWORD}".encode()).decode()
+    answered = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.headers.get("Authorization") == expected_auth and f"token={SECRET_TOKEN}" in self.path
+            answered.append(200 if ok else 403)
+            self.send_response(answered[-1])
+            self.send_header("Content-Length", str(len(body) if ok else 0))
+            self.end_headers()
+            if ok:
+                self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = (f"http://reader:{SECRET_PASSWORD}@127.0.0.1:{server.server_address[1]}/corpus.txt"
+           f"?v=1&token={SECRET_TOKEN}")
+    yield url, body, answered
+    server.shutdown()
+    server.server_close()
+
+
+def test_two_ranks_on_a_newline_free_corpus_behind_a_url_with_credentials(tmp_path, corpus_behind_credentials):
+    """One launch, two faults of issue 9: (1) the corpus has no "\n", which the end-of-run sample
+    used to start from: the run failed after training, the wandb run stayed unfinished and rank 1
+    waited in a barrier; (2) data.path holds a password and a token, which were copied into
+    config.yaml, meta.json, model.pt, wandb and stdout. The download must still use them."""
+    url, body, answered = corpus_behind_credentials
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    r = torchrun(2, ["main.py", *TINY, f"data.path={url}", f"data.sha256={hashlib.sha256(body).hexdigest()}",
+                     "data.offline_fallback=false", f"data.cache_dir={cache}", f"trainer.run_dir={run_dir}",
+                     "parallel.strategy=ddp", "wandb.enabled=true", "trainer.max_steps=5"],
+                 timeout=240, WANDB_CONFIG_DIR=tmp_path / "wandb-home")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # every rank exited 0
+    assert answered == [200], answered  # downloaded once, with the real credentials
+    assert "\n" not in json.loads((run_dir / "tokenizer.json").read_text(encoding="utf-8"))["chars"]
+    assert (run_dir / "sample.txt").is_file() and "done: step 5" in r.stdout
+    (run,) = offline_runs(run_dir)
+    w = read_wandb_run(run)
+    assert w["summary"]["final_step"] == 5 and "sample_text" in w["summary"]
+    assert any(rec.WhichOneof("record_type") == "exit" for rec in wandb_records(next(run.glob("*.wandb"))))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert METRIC_KEYS <= rows[-1].keys() and "peak_mem_mb" not in rows[-1], rows[-1]
+    # the secrets: in no file of the run folder or the cache, no file name, no output line
+    config_path = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["path"]
+    assert config_path == url.replace(SECRET_PASSWORD, "***").replace(SECRET_TOKEN, "***")
+    for secret in (SECRET_PASSWORD, SECRET_TOKEN):
+        for path in [*run_dir.rglob("*"), *cache.rglob("*")]:
+            assert secret not in str(path), path
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes(), f"{secret} written into {path}"
+        assert secret not in r.stdout + r.stderr, "secret printed"
 
 
 # ----------------------------------------------------------------------------- in process

@@ -1,0 +1,113 @@
+"""The figures of the metrics row (issue 9): what memory is reported and under which name, the
+device count and the peak that MFU divides by, and the fp32 matmul mode the GPU peak assumes.
+
+- Memory: on CPU the process's peak RSS (interpreter, libraries, allocator caches included: not
+  comparable across strategies) is `rss_peak_mb`; `held_params_mb`, `held_grads_mb` and
+  `held_optim_mb` are the tensor bytes the strategy itself holds (Strategy.resident_bytes), read
+  on log steps only, after the optimizer step and before the gradients are freed.
+- MFU divides by every device of the layout: under parallel.strategy=dp (nn.DataParallel) one
+  process drives all GPUs.
+- bf16 on CPU: the peak is a bf16 matmul, measured the same way as the fp32 one.
+- CUDA (no GPU here: only the table lookup and the switch are tested): fp32 matmuls run as TF32
+  on GPUs that have it, and the peak and its label say TF32 there and fp32 elsewhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import perf
+from config import load_config
+from harness import TINY
+from main import build_trainer
+from parallel import Strategy
+from parallel.dp import DataParallelStrategy
+from parallel.mesh import DistEnv, init_distributed
+from tracking import NullTracker
+
+
+class Rows(NullTracker):
+    def __init__(self):
+        self.rows = []
+
+    def log(self, step, metrics):
+        self.rows.append({"step": step, **metrics})
+
+
+def test_memory_metrics_name_rss_and_hold_the_strategy_tensor_bytes(tmp_path, monkeypatch):
+    cfg = load_config(None, TINY + ["parallel.strategy=none", "trainer.max_steps=4", "trainer.log_every=2",
+                                    "trainer.eval_every=100", f"trainer.run_dir={tmp_path}"])
+    trainer = build_trainer(cfg, init_distributed(cfg), tmp_path)
+    s = trainer.strategy
+    measured = []
+    real = s.resident_bytes
+
+    def spy(optimizer):
+        measured.append(real(optimizer))
+        return measured[-1]
+
+    monkeypatch.setattr(s, "resident_bytes", spy)
+    trainer.tracker = Rows()
+    trainer.train()
+    rows = [r for r in trainer.tracker.rows if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 4] and len(measured) == 2  # read on log steps only
+    for row, held in zip(rows, measured):
+        assert "peak_mem_mb" not in row and row["rss_peak_mb"] > 0
+        assert row["held_params_mb"] == held["params"] / 2**20
+        assert row["held_grads_mb"] == held["grads"] / 2**20
+        assert row["held_optim_mb"] == held["optimizer"] / 2**20
+        # one process, fp32: a gradient per parameter, and AdamW's two moments per parameter
+        assert held["grads"] == held["params"] > 0 and held["optimizer"] == 2 * held["params"]
+
+
+def test_bf16_mfu_on_cpu_divides_by_a_bf16_peak(tmp_path):
+    peaks = {}
+    for prec in ("fp32", "bf16"):
+        cfg = load_config(None, TINY + ["parallel.strategy=none", f"trainer.precision={prec}",
+                                        f"trainer.run_dir={tmp_path / prec}"])
+        trainer = build_trainer(cfg, init_distributed(cfg), tmp_path / prec)
+        peaks[prec] = trainer.peak_flops
+        assert prec in trainer.peak_label and "measured" in trainer.peak_label, trainer.peak_label
+    # the measurement is cached per (threads, dtype): asking again returns what the Trainer used
+    assert peaks["bf16"] == perf.measure_cpu_matmul_peak(dtype=torch.bfloat16)
+    assert peaks["fp32"] == perf.measure_cpu_matmul_peak(dtype=torch.float32)
+    assert peaks["bf16"] != peaks["fp32"]
+
+
+def test_mfu_counts_every_device_the_layout_uses(monkeypatch):
+    cfg = load_config(None, ["parallel.strategy=dp"])
+    gpu = DistEnv(device=torch.device("cuda", 0))
+    for visible, expected in ((4, 4), (1, 1)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=visible: n)
+        assert DataParallelStrategy(cfg, gpu).num_devices == expected
+    assert DataParallelStrategy(cfg, DistEnv()).num_devices == 1  # on CPU nn.DataParallel is not used
+    ddp = load_config(None, ["parallel.strategy=ddp", "trainer.batch_size=8"])
+    assert Strategy(ddp, DistEnv(world_size=4)).num_devices == 4  # one device per process
+    assert perf.mfu(1e6, 1e3, 1e9, 4) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("name, capability, precision, peak, label", [
+    ("NVIDIA H100 80GB HBM3", (9, 0), "fp32", 494e12, "TF32"),
+    ("NVIDIA H100 80GB HBM3", (9, 0), "bf16", 989e12, "bf16"),
+    ("NVIDIA A100-SXM4-40GB", (8, 0), "fp32", 156e12, "TF32"),
+    ("Tesla V100-SXM2-16GB", (7, 0), "fp32", 15.7e12, "fp32"),  # no TF32 before Ampere
+])
+def test_gpu_peak_and_label_agree_with_the_fp32_matmul_mode(monkeypatch, name, capability, precision,
+                                                            peak, label):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda", 0)
+    got, text = perf.device_peak(cuda, precision)
+    assert got == peak and label in text and name in text, text
+
+
+def test_fp32_matmuls_run_as_tf32_on_cuda_only():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        perf.set_fp32_matmul_mode(torch.device("cpu"))
+        assert not torch.backends.cuda.matmul.allow_tf32  # CPU numerics are never touched
+        perf.set_fp32_matmul_mode(torch.device("cuda", 0))
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
