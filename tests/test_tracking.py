@@ -1,9 +1,12 @@
 """Run tracking (issue 6): metrics.jsonl, wandb offline files, resume of the same wandb run, one
 wandb run per multi-process run, a broken wandb that does not stop training, no secret in the
-run folder, the wandb.* config keys, and the progress view (terminal bar and plain lines).
+run folder, the wandb.* config keys, and the progress view (terminal bar and plain lines). Issue 9:
+the wandb run of a newline-free corpus is finished, and a data.path URL's password and token are
+in no file and no output line.
 
-No test touches the network: wandb runs offline, and the "broken wandb" case points online mode
-at a closed local port (WANDB_BASE_URL=http://127.0.0.1:9) with a short MINGPT_WANDB_TIMEOUT.
+No test touches the network: wandb runs offline, the "broken wandb" case points online mode
+at a closed local port (WANDB_BASE_URL=http://127.0.0.1:9) with a short MINGPT_WANDB_TIMEOUT, and
+the corpus behind credentials comes from an http.server on 127.0.0.1.
 wandb 0.31 writes no history/config/summary files offline, only the `.wandb` transaction log
 (leveldb log format of `wandb_internal_pb2.Record` protobufs) and no Python reader for it, so
 `wandb_records` below decodes that log with wandb's own protobuf classes.
@@ -183,24 +186,6 @@ def test_unreachable_wandb_does_not_stop_training(tmp_path):
 # ----------------------------------------------------------------------------- two processes
 
 
-def test_two_process_run_has_one_wandb_run(tmp_path):
-    run_dir = tmp_path / "run"
-    r = torchrun(2, ["main.py", *TINY, f"trainer.run_dir={run_dir}", "parallel.strategy=ddp",
-                     "wandb.enabled=true", "trainer.max_steps=5"],
-                 WANDB_CONFIG_DIR=tmp_path / "wandb-home")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (run,) = offline_runs(run_dir)
-    assert list((run_dir / "wandb").glob("*run-*")) == [run]  # no online folder either
-    w = read_wandb_run(run)
-    assert w["run"].run_id == json.loads((run_dir / "tracker.json").read_text())["run_id"]
-    assert w["run"].run_id == snapshot_meta(run_dir, 5)["tracker_run_id"]
-    assert [h["_step"] for h in w["history"] if "loss" in h] == [5]
-    assert w["config"]["parallel"]["strategy"] == "ddp"
-    assert metric_steps(run_dir) == [5]  # written once, by the tracker rank only
-    progress = [ln for ln in r.stderr.splitlines() if ln.startswith("step 5/5")]
-    assert len(progress) == 1, r.stderr[-2000:]
-
-
 SECRET_PASSWORD, SECRET_TOKEN = "pw0SECRET0pass", "tk0SECRET0token"
 
 
@@ -234,10 +219,11 @@ def corpus_behind_credentials():
     server.server_close()
 
 
-def test_two_ranks_on_a_newline_free_corpus_behind_a_url_with_credentials(tmp_path, corpus_behind_credentials):
-    """One launch, two faults of issue 9: (1) the corpus has no "\n", which the end-of-run sample
-    used to start from: the run failed after training, the wandb run stayed unfinished and rank 1
-    waited in a barrier; (2) data.path holds a password and a token, which were copied into
+def test_two_process_run_has_one_finished_wandb_run_and_no_secret(tmp_path, corpus_behind_credentials):
+    """One launch (launches cost seconds of imports) for the 2-process checks: one wandb run, written
+    by the tracker rank only; and two faults of issue 9: (1) the corpus has no "\n", which the
+    end-of-run sample used to start from: the finished run exited 2, its wandb run stayed unfinished
+    and rank 1 lost its peer; (2) data.path holds a password and a token, which were copied into
     config.yaml, meta.json, model.pt, wandb and stdout. The download must still use them."""
     url, body, answered = corpus_behind_credentials
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
@@ -246,16 +232,27 @@ def test_two_ranks_on_a_newline_free_corpus_behind_a_url_with_credentials(tmp_pa
                      "parallel.strategy=ddp", "wandb.enabled=true", "trainer.max_steps=5"],
                  timeout=240, WANDB_CONFIG_DIR=tmp_path / "wandb-home")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # every rank exited 0
-    assert answered == [200], answered  # downloaded once, with the real credentials
-    assert "\n" not in json.loads((run_dir / "tokenizer.json").read_text(encoding="utf-8"))["chars"]
-    assert (run_dir / "sample.txt").is_file() and "done: step 5" in r.stdout
     (run,) = offline_runs(run_dir)
+    assert list((run_dir / "wandb").glob("*run-*")) == [run]  # no online folder either
     w = read_wandb_run(run)
-    assert w["summary"]["final_step"] == 5 and "sample_text" in w["summary"]
-    assert any(rec.WhichOneof("record_type") == "exit" for rec in wandb_records(next(run.glob("*.wandb"))))
+    assert w["run"].run_id == json.loads((run_dir / "tracker.json").read_text())["run_id"]
+    assert w["run"].run_id == snapshot_meta(run_dir, 5)["tracker_run_id"]
+    assert [h["_step"] for h in w["history"] if "loss" in h] == [5]
+    assert w["config"]["parallel"]["strategy"] == "ddp"
+    assert metric_steps(run_dir) == [5]  # written once, by the tracker rank only
+    progress = [ln for ln in r.stderr.splitlines() if ln.startswith("step 5/5")]
+    assert len(progress) == 1, r.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert METRIC_KEYS <= rows[-1].keys() and "peak_mem_mb" not in rows[-1], rows[-1]
-    # the secrets: in no file of the run folder or the cache, no file name, no output line
+
+    # (1) no "\n" in the vocabulary, and still a sample, a finished wandb run, exit 0 everywhere
+    assert "\n" not in json.loads((run_dir / "tokenizer.json").read_text(encoding="utf-8"))["chars"]
+    assert (run_dir / "sample.txt").is_file() and "done: step 5" in r.stdout
+    assert w["summary"]["final_step"] == 5 and "sample_text" in w["summary"]
+    assert any(rec.WhichOneof("record_type") == "exit" for rec in wandb_records(next(run.glob("*.wandb"))))
+    # (2) downloaded once with the real credentials; then in no file of the run folder or the
+    # cache (wandb's offline log included), no file name, no output line
+    assert answered == [200], answered
     config_path = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["path"]
     assert config_path == url.replace(SECRET_PASSWORD, "***").replace(SECRET_TOKEN, "***")
     for secret in (SECRET_PASSWORD, SECRET_TOKEN):
