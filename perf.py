@@ -21,7 +21,7 @@ _GPU_PEAKS = {
     "H200": (989e12, 494e12),
     "H100": (989e12, 494e12),
     "A100": (312e12, 156e12),
-    "A10": (125e12, 62.5e12),  # the A10 datasheet's figures, also used for the A10G
+    "A10G": (125e12, 62.5e12),  # the A10 datasheet's dense figures (no separate A10G datasheet)
     "L4": (121e12, 60e12),
     "V100": (125e12, 15.7e12),  # no TF32 (compute capability 7.0): plain fp32
     "4090": (165e12, 82e12),
