@@ -171,6 +171,7 @@ def run(argv) -> int:
 
 def _write_sample(sd, gpt_cfg, tok, cfg, run_dir: Path) -> None:
     from sample import default_prompt, generate_text, model_from_state
+    (run_dir / "sample.txt").unlink(missing_ok=True)  # an older launch's sample is not this run's
     sampler = model_from_state(sd, gpt_cfg)
     sample = generate_text(sampler, tok, prompt=default_prompt(tok), tokens=cfg.trainer.sample_tokens,
                            seed=cfg.trainer.seed)
