@@ -12,7 +12,8 @@ torch.chunk semantics (chunk = ceil(numel / n); rank r owns [r*chunk, (r+1)*chun
 tensor), so each rank's share is 1/n of every tensor to within one element per tensor.
 torch's ZeroRedundancyOptimizer assigns WHOLE tensors to ranks (greedy by size), which on a GPT
 leaves ranks unbalanced (measured in benchmarks/memory_per_strategy.py), and torch has no engine
-for stage 2 at all, so both are built here on reduce_scatter_tensor / all_gather_into_tensor:
+for stage 2 at all, so both are built here on reduce_scatter_single / all_gather_single (torch
+2.13's names for reduce_scatter_tensor / all_gather_into_tensor, which now warn as deprecated):
 
 - A rank's optimizer works on `shard` tensors that are views into the full parameters' storage
   (no extra copy of the weights). AdamW state exists only for those slices.
@@ -81,8 +82,8 @@ class ShardSpec:
 
 class ShardBucket:
     """Tensors moved by one collective. The flat buffer is rank-major: viewed as (n, total),
-    row j holds rank j's slice of every tensor, each padded to its chunk, so reduce_scatter_tensor
-    hands rank j exactly row j and all_gather_into_tensor rebuilds every row."""
+    row j holds rank j's slice of every tensor, each padded to its chunk, so reduce_scatter_single
+    hands rank j exactly row j and all_gather_single rebuilds every row."""
 
     def __init__(self, params: list[nn.Parameter], specs: list[ShardSpec], n: int, group):
         self.params, self.specs, self.n, self.group = params, specs, n, group
@@ -101,7 +102,7 @@ class ShardBucket:
             out = packed.view(-1)
         else:
             out = packed.new_empty(self.total)
-            dist.reduce_scatter_tensor(out, packed.view(-1), group=self.group)  # gloo has no AVG
+            dist.reduce_scatter_single(out, packed.view(-1), group=self.group)  # gloo has no AVG
             out.div_(self.n)
         return [out[o:o + s.length] for o, s in zip(self.offsets, self.specs)]
 
@@ -112,7 +113,7 @@ class ShardBucket:
             out = mine
         else:
             out = mine.new_empty(self.n * self.total)
-            dist.all_gather_into_tensor(out, mine, group=self.group)
+            dist.all_gather_single(out, mine, group=self.group)
         rows = out.view(self.n, self.total)
         return [rows[:, o:o + s.chunk].reshape(-1)[:s.numel] for o, s in zip(self.offsets, self.specs)]
 
