@@ -21,12 +21,16 @@ from snapshot import (UnsafeSnapshot, list_snapshots, load_tensors, other_format
 
 def consolidate(run_dir: Path, step: int | None) -> dict:
     """The model.pt payload from the snapshot at `step` (None: the newest valid one)."""
-    snaps = list_snapshots(run_dir / "snapshots")
-    if step is not None:
-        snaps = [p for p in snaps if p.name == step_dir_name(step)]
+    found = list_snapshots(run_dir / "snapshots")
+    snaps = found if step is None else [p for p in found if p.name == step_dir_name(step)]
     if not snaps:
-        which = f"at step {step}" if step is not None else "at all"
-        raise UsageError(f"no snapshot {which} in {run_dir / 'snapshots'}; check --run-dir/--step")
+        if not found:
+            raise UsageError(f"no snapshot {'at all' if step is None else f'at step {step}'} in "
+                             f"{run_dir / 'snapshots'}: there are none; check --run-dir (snapshots "
+                             f"are written every trainer.save_every steps and at the end)")
+        steps = ", ".join(str(int(p.name[len("step_"):])) for p in reversed(found))
+        raise UsageError(f"no snapshot at step {step} in {run_dir / 'snapshots'}; it has steps "
+                         f"{steps}: pick one with --step (or leave --step out for the newest)")
     for path in snaps:
         meta, why = validate_snapshot(path)
         if meta is None:

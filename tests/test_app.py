@@ -83,6 +83,13 @@ def test_python_main_py_trains_and_writes_every_output(tmp_path, capsys):
     # bad sample.py input: one line, exit 2
     assert sample.main(["--run-dir", str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+    # export.py --step N without such a snapshot: one line listing the steps there are (or none)
+    assert export.main(["--run-dir", str(run), "--step", "7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no snapshot at step 7" in err and "it has steps 5, 10:" in err, err
+    assert export.main(["--run-dir", str(tmp_path / "nothing"), "--step", "7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "there are none" in err, err
 
 
 def test_lr_schedule_warmup_cosine_and_floor():
