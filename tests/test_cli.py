@@ -1,0 +1,54 @@
+"""The scripts' command lines (issue 13): plot.py draws the metrics of real runs into a PNG (bad
+input: one line, exit 2)."""
+from __future__ import annotations
+
+import json
+
+import matplotlib.image
+
+import main as app
+import plot
+from harness import TINY
+
+
+def test_plot_two_real_runs_and_bad_input(tmp_path, capsys):
+    runs = [tmp_path / "ddp_run", tmp_path / "other_lr"]
+    for run, extra in zip(runs, [[], ["optimizer.lr=3e-3"]]):
+        assert app.main(TINY + ["trainer.max_steps=10", "trainer.log_every=2", "trainer.sample_tokens=0",
+                                "parallel.strategy=none", f"trainer.run_dir={run}", *extra]) == 0
+    capsys.readouterr()
+    out = tmp_path / "cmp.png"
+    assert plot.main([*map(str, runs), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    # five panels (train loss, val loss, lr, tokens/s, the one memory key) in 2 columns: 3 rows
+    assert said.startswith(f"wrote {out}: loss, val_loss, lr, tokens_per_sec, ") and "_mb of 2 run(s)" in said
+    image = matplotlib.image.imread(out)  # a valid PNG, or this raises
+    width = plot.COLUMNS * plot.PANEL_W * plot.DPI
+    height = (3 * plot.PANEL_H + 0.6) * plot.DPI
+    assert image.shape[:2] == (round(height), round(width)) and image.std() > 0.05, image.shape
+
+    # bad input: one line "error: ...", exit 2, the run folders and an existing PNG as they were
+    before = {p: p.read_bytes() for run in runs for p in run.rglob("*") if p.is_file()}
+    png = out.read_bytes()
+    empty, garbled, no_metrics = tmp_path / "empty", tmp_path / "garbled", tmp_path / "no_metrics"
+    for d in (empty, garbled, no_metrics):
+        d.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    rows = (runs[0] / "metrics.jsonl").read_text().splitlines()
+    (garbled / "metrics.jsonl").write_text("\n".join([rows[0], rows[1][: len(rows[1]) // 2], *rows[2:]]) + "\n")
+    cases = {
+        "missing folder": ([str(tmp_path / "nope")], "run folder"),
+        "no metrics.jsonl": ([str(no_metrics)], "has no metrics.jsonl"),
+        "empty metrics.jsonl": ([str(empty)], "is empty"),
+        "a row that does not parse": ([str(garbled)], "line 2 is not a metrics row"),
+        "a good run beside a bad one": ([str(runs[0]), str(garbled)], "line 2 is not a metrics row"),
+        "not a .png": ([str(runs[0]), "--out", str(tmp_path / "x.pdf")], "must end in .png"),
+        "no such out folder": ([str(runs[0]), "--out", str(tmp_path / "no" / "x.png")], "does not exist"),
+    }
+    for case, (args, words) in cases.items():
+        assert plot.main([*args, "--out", str(out)] if "--out" not in args else args) == 2, case
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and words in err, f"{case}: {err!r}"
+    assert out.read_bytes() == png
+    assert {p: p.read_bytes() for run in runs for p in run.rglob("*") if p.is_file()} == before
+    assert json.loads(rows[0])["step"] == 2  # the garbled line above really was a metrics row
