@@ -257,6 +257,21 @@ def _set(cfg: Config, dotted: str, value) -> None:
     setattr(section, key, _coerce(dotted, value, hints[key]))
 
 
+def reject_dashed_overrides(argv: list[str]) -> None:
+    """`--trainer.max_steps=20` (the option style of many other trainers) is not an option here:
+    say how overrides are written instead of argparse's bare "unrecognized arguments"."""
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return
+        name, eq, value = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and "." in name and name.split(".", 1)[0] in sections:
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                value = argv[i + 1]  # `--trainer.max_steps 20`
+            raise UsageError(f"'{arg}' is not an option: config overrides are written without leading "
+                             f"dashes, as {name}={value or '<value>'}")
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file <- `section.key=value` overrides, then validate()."""
     cfg = Config()

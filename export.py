@@ -55,8 +55,8 @@ def consolidate(run_dir: Path, step: int | None) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run-dir", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run-dir", required=True, help="the run folder (trainer.run_dir)")
     ap.add_argument("--step", type=int, default=None, help="snapshot step (default: newest valid)")
     ap.add_argument("--out", default=None, help="output path (default: <run-dir>/model.pt)")
     args = ap.parse_args(argv)

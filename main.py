@@ -1,4 +1,5 @@
-"""Entry point: `python main.py [--config F] [section.key=value ...]`, or the same under torchrun.
+"""Train a GPT with the parallel layout chosen in the config: `python main.py [--config F]
+[section.key=value ...]`, or the same under torchrun.
 
 Owns the order of start-up: config -> process group -> run folder lock -> corpus and tokenizer
 -> model (same seed on every rank) -> strategy (parallel layout) -> Trainer -> resume -> writes
@@ -19,6 +20,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from config import reject_dashed_overrides
+
 HERE = Path(__file__).resolve().parent
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what SLURM, Kubernetes, torchrun and a terminal send before a kill
 DEFAULT_CONFIG = HERE / "gpt2_train_cfg.yaml"
@@ -31,8 +34,9 @@ def _one_line_warnings() -> None:
 
 
 def parse_args(argv):
+    reject_dashed_overrides(argv)
     ap = argparse.ArgumentParser(
-        description="Train a GPT with the parallel layout chosen in the config.",
+        description=__doc__.split("\n\n")[0],
         epilog="Overrides: section.key=value, e.g. trainer.max_steps=200 parallel.strategy=fsdp")
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
@@ -103,7 +107,8 @@ def run(argv) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(cfg.trainer.run_dir).expanduser()
-    env = init_distributed(cfg)
+    device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
+    env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
     lock = None
     try:
         lock = lock_run_dir(run_dir, env.rank, env.distributed)  # before anything reads the folder

@@ -61,14 +61,14 @@ def generate_text(model: GPT, tok, prompt: str, tokens: int, temperature: float 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True, help="the run folder (trainer.run_dir)")
     ap.add_argument("--prompt", default=None, help='text to continue (default: "\\n", or the '
                     'first token of the vocabulary when it has no newline)')
-    ap.add_argument("--tokens", type=int, default=300)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--tokens", type=int, default=300, help="tokens to generate (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: %(default)s)")
+    ap.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest tokens (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=1337, help="sampling seed (default: %(default)s)")
     ap.add_argument("--snapshot", action="store_true", help="sample from the newest snapshot, not model.pt")
     args = ap.parse_args(argv)
     try:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from config import load_config  # noqa: E402
+from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
 from main import build_trainer  # noqa: E402
 from parallel.mesh import init_distributed  # noqa: E402
 from perf import measure_cpu_matmul_peak  # noqa: E402
@@ -67,7 +67,7 @@ TARGET_MFU = 0.40
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps (nanoGPT: 2000)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch threads (default: all %(default)s cores)")
@@ -81,6 +81,10 @@ def parse_args(argv=None):
                     help="profile K steps (after 10 warm-up steps) and print the table; no full run")
     ap.add_argument("--json", default="", help="also write the results to this JSON file")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value overrides")
+    try:
+        reject_dashed_overrides(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        ap.exit(2, f"error: {e}\n")
     return ap.parse_args(argv)
 
 

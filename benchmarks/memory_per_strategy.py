@@ -1,6 +1,6 @@
 """Per-rank resident bytes of parameters, gradients and AdamW state for each data-parallel
 strategy, measured from the local tensors (Strategy.resident_bytes) after the backward of the
-second step, next to the seed formulas for fp32 Adam with a parameters on n ranks.
+second step, next to the seed formulas for fp32 Adam (a parameters, n ranks).
 
     python benchmarks/memory_per_strategy.py                 # n = 2, the default GPT config
     python benchmarks/memory_per_strategy.py --nproc 4 data.tokenizer=gpt2   # 50257-token vocab
@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
+
+from config import UsageError, reject_dashed_overrides  # noqa: E402
 
 # name -> (overrides, what is sharded, formula as text, formula(a, n) in bytes)
 STRATEGIES = {
@@ -116,9 +118,13 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(sys.argv[1:])
         return
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (processes) to measure (default: 2)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layer=8")
+    try:
+        reject_dashed_overrides(sys.argv[1:])
+    except UsageError as e:
+        ap.exit(2, f"error: {e}\n")
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "data" / "tiktoken"))  # offline GPT-2 BPE

@@ -34,7 +34,7 @@ MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--app", action="store_true", help="also run main.py on the 2x2x2 mesh")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -131,12 +131,12 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (= processes)")
-    ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8], help="micro-batch counts m to measure")
     ap.add_argument("--micro", type=int, default=8, help="sequences per micro-batch")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per layout")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

@@ -40,23 +40,26 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def pick_device(cfg: Config, local_rank: int) -> torch.device:
+def pick_device(cfg: Config, local_rank: int, config_file: str | None = None) -> torch.device:
+    """`config_file`: the config that set trainer.device (None: an override did), named in the refusal."""
     want = cfg.trainer.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise UsageError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+            who = f"{config_file} sets trainer.device: cuda (a GPU config)" if config_file else "trainer.device=cuda"
+            raise UsageError(f"{who} but torch {torch.__version__} sees no CUDA device; run it on a GPU "
+                             f"machine, or give the override trainer.device=cpu to run it on this CPU")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def init_distributed(cfg: Config, timeout_s: float | None = None) -> DistEnv:
+def init_distributed(cfg: Config, timeout_s: float | None = None, config_file: str | None = None) -> DistEnv:
     """Start the process group when launched by torchrun (gloo on CPU, nccl on CUDA)."""
     if not launched_by_torchrun():
-        return DistEnv(device=pick_device(cfg, 0))
+        return DistEnv(device=pick_device(cfg, 0, config_file))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(cfg, local_rank)
+    device = pick_device(cfg, local_rank, config_file)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MINGPT_PG_TIMEOUT", 600)))
     if not dist.is_initialized():

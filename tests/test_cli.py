@@ -1,14 +1,43 @@
-"""The scripts' command lines (issue 13): plot.py draws the metrics of real runs into a PNG (bad
-input: one line, exit 2)."""
+"""The scripts' command lines (issue 13): every --help is whole, and plot.py draws the metrics of
+real runs into a PNG (bad input: one line, exit 2). The dotted-override hint and the GPU preset
+refusal are bad-input cases of tests/test_config.py."""
 from __future__ import annotations
 
+import ast
 import json
+import runpy
+import sys
 
 import matplotlib.image
+import pytest
 
 import main as app
 import plot
-from harness import TINY
+from harness import REPO, TINY
+
+SCRIPTS = ["main.py", "sample.py", "export.py", "plot.py", *sorted(
+    str(p.relative_to(REPO)) for p in (REPO / "benchmarks").glob("*.py"))]
+
+
+def squeeze(text: str) -> str:
+    """Text without whitespace: argparse re-wraps (and may break at hyphens) to the terminal width."""
+    return "".join(text.split())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_is_whole(script, monkeypatch, capsys):
+    # the description is the module docstring's first paragraph, which ends a sentence: a help
+    # cut at the docstring's first line (mid-sentence) fails here
+    doc = ast.get_docstring(ast.parse((REPO / script).read_text(encoding="utf-8")))
+    first = doc.split("\n\n")[0]
+    assert first.rstrip().endswith((".", ".)", "?", "!")), f"{script}: docstring's first paragraph {first!r}"
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    monkeypatch.delenv("RANK", raising=False)  # memory_per_strategy.py runs its worker under torchrun
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(REPO / script), run_name="__main__")  # exactly `python SCRIPT --help`
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith("usage: "), f"{script}: {out[:300]!r}"
+    assert squeeze(first) in squeeze(out), f"{script}: --help lacks the whole description {first!r}:\n{out}"
 
 
 def test_plot_two_real_runs_and_bad_input(tmp_path, capsys):

@@ -141,7 +141,12 @@ BAD_INPUTS = {
     "resume": (["trainer.resume=maybe"], "not one of auto, never, require"),
     "precision": (["trainer.precision=fp8"], "not one of fp32, bf16, fp16"),
     "device": (["trainer.device=tpu"], "not one of auto, cpu, cuda"),
-    "cuda without a GPU": (["trainer.device=cuda"], "no CUDA device"),
+    "cuda without a GPU": (["trainer.device=cuda"], "no CUDA device; run it on a GPU machine, or give the "
+                                                    "override trainer.device=cpu"),
+    "GPU preset without a GPU": (["--config", str(REPO / "presets" / "gpu_8x8x512.yaml")],
+                                 "gpu_8x8x512.yaml sets trainer.device: cuda (a GPU config) but torch"),
+    "--dotted override": (["--trainer.max_steps=20"], "written without leading dashes, as trainer.max_steps=20"),
+    "--dotted override, value apart": (["--trainer.max_steps", "20"], "dashes, as trainer.max_steps=20"),
     "empty run_dir": (["trainer.run_dir="], "trainer.run_dir is empty"),
     "compile": (["trainer.compile=2"], "must be true or false"),
     "lr": (["optimizer.lr=0"], "optimizer.lr must be > 0"),
