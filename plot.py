@@ -21,6 +21,7 @@ from config import UsageError
 
 # metric key -> panel title; memory keys (`*_mb`) are added per run set, after these
 PANELS = {"loss": "train loss", "val_loss": "val loss", "lr": "learning rate", "tokens_per_sec": "tokens/s"}
+LINESTYLES = ("-", (0, (5, 3)), (0, (1, 2)), (0, (5, 2, 1, 2)))  # solid, dashed, dotted, dash-dot
 COLUMNS, PANEL_W, PANEL_H, DPI = 2, 6.0, 3.2, 100  # inches per panel; the PNG is COLUMNS*PANEL_W*DPI wide
 
 
@@ -81,10 +82,11 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, COLUMNS, squeeze=False).ravel()
     for ax, key in zip(axes, keys):
-        for label, rows in runs:
+        for i, (label, rows) in enumerate(runs):
             steps, values = series(rows, key)
-            if steps:
-                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
+            if steps:  # dashes per run: runs with equal values (memory, lr) stay visible on top of each other
+                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label,
+                        linestyle=LINESTYLES[i % len(LINESTYLES)])
         ax.set_title(PANELS.get(key, f"memory: {key}"))
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

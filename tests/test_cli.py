@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import runpy
 import sys
 
@@ -49,11 +50,15 @@ def test_plot_two_real_runs_and_bad_input(tmp_path, capsys):
     out = tmp_path / "cmp.png"
     assert plot.main([*map(str, runs), "--out", str(out)]) == 0
     said = capsys.readouterr().out
-    # five panels (train loss, val loss, lr, tokens/s, the one memory key) in 2 columns: 3 rows
-    assert said.startswith(f"wrote {out}: loss, val_loss, lr, tokens_per_sec, ") and "_mb of 2 run(s)" in said
+    # a panel for train loss, val loss, lr, tokens/s and each memory key the runs logged, 2 per row
+    logged = {k for run in runs for line in (run / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
+    memory = sorted(k for k in logged if k.endswith("_mb"))
+    assert memory, f"no memory key in {sorted(logged)}"
+    panels = ["loss", "val_loss", "lr", "tokens_per_sec", *memory]
+    assert said == f"wrote {out}: {', '.join(panels)} of 2 run(s)\n", said
     image = matplotlib.image.imread(out)  # a valid PNG, or this raises
     width = plot.COLUMNS * plot.PANEL_W * plot.DPI
-    height = (3 * plot.PANEL_H + 0.6) * plot.DPI
+    height = (math.ceil(len(panels) / plot.COLUMNS) * plot.PANEL_H + 0.6) * plot.DPI
     assert image.shape[:2] == (round(height), round(width)) and image.std() > 0.05, image.shape
 
     # bad input: one line "error: ...", exit 2, the run folders and an existing PNG as they were
