@@ -88,6 +88,8 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True
+    gelu: str = "erf"  # erf (exact) | tanh (GPT-2's approximation, needed by GPT-2 weights)
+    init_from: str = ""  # start a new run from weights: a Hugging Face GPT-2 folder or a model.pt
 
 
 @dataclass
@@ -181,6 +183,9 @@ class Config:
         """Hash of what fixes the parameter shapes: a snapshot only loads into the same shapes."""
         shape = dataclasses.asdict(self.model)
         shape.pop("dropout")
+        shape.pop("init_from")  # only where a run starts: a resume loads the snapshot's weights
+        if shape["gelu"] == "erf":  # the form every run used before the key existed: same hash
+            shape.pop("gelu")
         shape["tokenizer"] = self.data.tokenizer
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -361,6 +366,10 @@ def validate(cfg: Config) -> None:
                          f"pick n_embd a multiple of n_head")
     if not 0.0 <= m.dropout < 1.0:
         raise UsageError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    _choice("model.gelu", m.gelu, ("erf", "tanh"))
+    if m.init_from and not Path(m.init_from).expanduser().exists():
+        raise UsageError(f"model.init_from '{m.init_from}' does not exist; give a Hugging Face GPT-2 "
+                         f"folder (config.json + model.safetensors) or a run's model.pt")
     _positive("trainer.max_steps", t.max_steps)
     _positive("trainer.max_epochs", t.max_epochs, allow_zero=True)
     _positive("trainer.batch_size", t.batch_size)

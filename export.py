@@ -1,5 +1,9 @@
 """Consolidate a snapshot into a plain model.pt: `python export.py --run-dir runs/<name> [--step N]`.
 
+`--format hf --out DIR` writes a Hugging Face GPT-2 folder instead (config.json + model.safetensors
++ the tokenizer record, see pretrained.py) that `transformers.GPT2LMHeadModel.from_pretrained(DIR)`
+loads.
+
 A snapshot written by any strategy (ddp, zero, fsdp, tp, pp, meshes) stores parameters under
 their plain names, sharded by DCP. Here one process, with no process group, builds the model
 from the snapshot's recorded config and lets DCP reassemble every shard into it. The result
@@ -15,6 +19,7 @@ import torch
 
 from config import UsageError
 from model import GPT, GPTConfig
+from pretrained import write_hf
 from snapshot import (UnsafeSnapshot, list_snapshots, load_tensors, other_format_refusal, step_dir_name,
                       validate_snapshot)
 
@@ -58,10 +63,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True, help="the run folder (trainer.run_dir)")
     ap.add_argument("--step", type=int, default=None, help="snapshot step (default: newest valid)")
-    ap.add_argument("--out", default=None, help="output path (default: <run-dir>/model.pt)")
+    ap.add_argument("--format", choices=("pt", "hf"), default="pt",
+                    help="pt: model.pt (default); hf: a Hugging Face GPT-2 folder (needs --out)")
+    ap.add_argument("--out", default=None, help="output path (default: <run-dir>/model.pt; a folder with --format hf)")
     args = ap.parse_args(argv)
     try:
+        if args.format == "hf" and not args.out:
+            raise UsageError("--format hf writes a folder: name it with --out DIR")
         payload = consolidate(Path(args.run_dir), args.step)
+        if args.format == "hf":
+            write_hf(payload, Path(args.out))
+            print(f"wrote {args.out} (Hugging Face GPT-2) from step {payload['step']}")
+            return 0
         out = Path(args.out) if args.out else Path(args.run_dir) / "model.pt"
         tmp = out.with_name(out.name + ".tmp")
         torch.save(payload, tmp)

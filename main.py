@@ -53,21 +53,34 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
     from char_dataset import CharDataset, build_tokenizer, load_corpus, load_tokenizer_record
     from model import GPT, GPTConfig
     from parallel import build_strategy
+    from pretrained import check_shape, check_tokenizer, initial_weights, open_source
+    from snapshot import list_snapshots
     from trainer import Trainer, seed_rng
 
     strategy = build_strategy(cfg, env)  # layout errors before any work
     # ---- data: the local leader downloads, everyone reads the same text
-    text, source = load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
+    text, data_source = load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
     stored = load_tokenizer_record(run_dir / "tokenizer.json") if cfg.trainer.resume != "never" else None
+    # model.init_from only starts a run: with snapshots to resume from, their weights win.
+    resuming = cfg.trainer.resume != "never" and bool(list_snapshots(run_dir / "snapshots"))
+    source = open_source(cfg.model.init_from) if cfg.model.init_from and not resuming else None
+    if source is not None:
+        stored = check_tokenizer(source, cfg.data.tokenizer, stored)
     tok = build_tokenizer(cfg.data.tokenizer, text, stored)
     data = CharDataset(tok.encode(text), cfg.model.block_size, cfg.data.val_fraction, cfg.trainer.seed)
-    # ---- model: identical on every rank (same seed), then placed by the strategy
+    # ---- model: identical on every rank (same seed, or the same init_from file), then placed by the strategy
     torch.manual_seed(cfg.trainer.seed)
-    gpt_cfg = GPTConfig(vocab_size=tok.vocab_size, **dc.asdict(cfg.model))
-    strategy.setup(GPT(gpt_cfg))
+    gpt_cfg = GPTConfig(vocab_size=tok.vocab_size,
+                        **{k: v for k, v in dc.asdict(cfg.model).items() if k != "init_from"})
+    model = GPT(gpt_cfg)
+    if source is not None:
+        check_shape(source, gpt_cfg)
+        model.load_state_dict(initial_weights(source, gpt_cfg.block_size))
+    strategy.setup(model)
     seed_rng(cfg.trainer.seed, 0, strategy.dp_rank)  # dropout: per dp rank, shared by tp peers
     trainer = Trainer(cfg, data, tok, strategy, run_dir, dc.asdict(gpt_cfg))
-    trainer.data_source = source
+    trainer.data_source = data_source
+    trainer.init_from = source.path if source is not None else None
     return trainer
 
 
@@ -98,7 +111,7 @@ def run(argv) -> int:
     import torch.distributed as dist
 
     from char_dataset import save_tokenizer
-    from config import dump_yaml, load_config
+    from config import UsageError, dump_yaml, load_config
     from model import GPTConfig
     from parallel.mesh import init_distributed, shutdown
     from runlock import lock_run_dir
@@ -118,6 +131,9 @@ def run(argv) -> int:
         strategy, data, tok = trainer.strategy, trainer.data, trainer.tokenizer
         gpt_cfg = GPTConfig(**trainer.model_config)
         meta = trainer.resume()
+        if meta is None and cfg.model.init_from and trainer.init_from is None:
+            raise UsageError(f"{run_dir / 'snapshots'} holds no valid snapshot to resume, and starting "
+                             f"over from model.init_from would discard it; move the folder aside")
 
         # ---- every check has passed: from here on this launch writes into the run folder
         if env.rank == 0:
@@ -139,7 +155,8 @@ def run(argv) -> int:
                   f"world {env.world_size} = pp {pp} x dp {dp} x tp {tp} | device {env.device} | "
                   f"mfu peak {trainer.peak_label} | "
                   f"{trainer.max_steps} steps of {cfg.trainer.batch_size} x {cfg.model.block_size} tokens"
-                  + (f" | resumed from {meta['path']} at step {trainer.step}" if meta else ""), flush=True)
+                  + (f" | resumed from {meta['path']} at step {trainer.step}" if meta else "")
+                  + (f" | weights from {trainer.init_from}" if trainer.init_from else ""), flush=True)
 
         summary = train_until_stopped(trainer)
         if summary.get("stopped"):

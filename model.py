@@ -30,6 +30,10 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True  # LM head shares the token embedding matrix (GPT-2)
+    # GELU form: "erf" is exact (torch's default, what this project always trained with); "tanh"
+    # is the approximation GPT-2 was trained with (Hugging Face's "gelu_new"): imported GPT-2
+    # weights need it to give GPT-2's logits.
+    gelu: str = "erf"
 
 
 class CausalSelfAttention(nn.Module):
@@ -63,9 +67,10 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.residual_scale = True
         self.drop = nn.Dropout(cfg.dropout)
+        self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.gelu_approximate)))
 
 
 class Block(nn.Module):

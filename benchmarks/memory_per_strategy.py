@@ -98,7 +98,8 @@ def zero_redundancy_row(cfg, env, vocab_size: int):
     from parallel import Strategy
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(cfg.model)))
+    model = GPT(GPTConfig(vocab_size=vocab_size, **{k: v for k, v in dataclasses.asdict(cfg.model).items()
+                                                  if k != "init_from"}))
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
     x = torch.randint(0, vocab_size, (2, cfg.model.block_size))

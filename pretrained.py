@@ -1,0 +1,270 @@
+"""GPT-2 weights in and out: `model.init_from` and `export.py --format hf`.
+
+In: `model.init_from=PATH` starts a new run from the weights of a local Hugging Face GPT-2 folder
+(config.json + model.safetensors, as `save_pretrained` writes it) or of a run's model.pt. Nothing
+is unpickled: safetensors for the folder, `torch.load(weights_only=True)` for model.pt. The
+source's shape and tokenizer must agree with the config (one line naming every difference).
+Out: `write_hf` writes a model.pt payload as a folder `transformers.GPT2LMHeadModel.from_pretrained`
+loads, without needing transformers here.
+
+Hugging Face's GPT-2 keeps GPT-2's original layout: q, k and v fused in one `c_attn`, and every
+projection a `Conv1D`, whose weight is (in, out), the transpose of `nn.Linear`'s (out, in). This
+model has separate q/k/v Linear layers (see model.py), so `c_attn` is split in three along its
+output columns and every projection weight is transposed. The LM head is tied to `wte` in both.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from config import UsageError
+
+GPT2_VOCAB = 50257  # the GPT-2 BPE (tiktoken r50k_base): what a Hugging Face GPT-2 folder tokenizes with
+LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
+# Hugging Face's activation_function names -> model.gelu
+HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
+TOKENIZER_FILE = "mingpt_tokenizer.json"  # the project's tokenizer record, beside an exported folder
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias", "tie_weights", "gelu")
+
+
+@dataclass
+class Source:
+    """What model.init_from points at: its GPTConfig fields, tokenizer record and weights
+    (this project's parameter names, float32)."""
+    path: Path
+    model_config: dict
+    tokenizer: dict
+    weights: dict[str, torch.Tensor]
+
+
+def open_source(path_text: str) -> Source:
+    path = Path(path_text).expanduser()
+    if path.is_dir():
+        return _open_hf(path)
+    return _open_model_pt(path)
+
+
+def _open_model_pt(path: Path) -> Source:
+    try:
+        with warnings.catch_warnings():  # torch warns about odd pickle headers: the one line below says it
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"model.init_from {path} is not a readable model.pt ({type(e).__name__}); "
+                         f"give a run's model.pt or a Hugging Face GPT-2 folder") from None
+    if not isinstance(payload, dict) or not {"model", "model_config", "tokenizer"} <= payload.keys():
+        raise UsageError(f"model.init_from {path} is not a model.pt of this project (no model, "
+                         f"model_config or tokenizer); export one with python export.py")
+    return Source(path, dict(payload["model_config"]), dict(payload["tokenizer"]),
+                  {k: v.float() for k, v in payload["model"].items()})
+
+
+def _open_hf(path: Path) -> Source:
+    def refuse(problem: str):
+        raise UsageError(f"model.init_from {path}: {problem}")
+
+    try:
+        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        refuse(f"no readable config.json ({type(e).__name__}); give a folder written by "
+               f"save_pretrained or a run's model.pt")
+    if not isinstance(hf, dict) or hf.get("model_type") != "gpt2":
+        refuse(f"model_type is {hf.get('model_type') if isinstance(hf, dict) else None!r}, not 'gpt2'; "
+               f"only GPT-2 checkpoints map onto this model")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in HF_GELU:
+        refuse(f"activation_function '{act}' has no counterpart here (only {', '.join(HF_GELU)})")
+    for key, want in (("layer_norm_epsilon", LAYER_NORM_EPS), ("scale_attn_weights", True),
+                      ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False)):
+        if hf.get(key, want) != want:
+            refuse(f"{key}={hf.get(key)} differs from this model's {want}; it cannot be imported")
+    n_embd = int(hf.get("n_embd", 768))
+    if hf.get("n_inner") not in (None, 4 * n_embd):
+        refuse(f"n_inner={hf['n_inner']} is not 4 x n_embd={4 * n_embd}, this model's MLP width")
+    cfg = {"vocab_size": int(hf.get("vocab_size", GPT2_VOCAB)), "block_size": int(hf.get("n_positions", 1024)),
+           "n_layer": int(hf.get("n_layer", 12)), "n_head": int(hf.get("n_head", 12)), "n_embd": n_embd,
+           "bias": True, "tie_weights": bool(hf.get("tie_word_embeddings", True)), "gelu": HF_GELU[act]}
+    record_file = path / TOKENIZER_FILE
+    if record_file.is_file():  # written by export.py --format hf (char models, or gpt2)
+        try:
+            tokenizer = json.loads(record_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            refuse(f"{TOKENIZER_FILE} is damaged ({type(e).__name__}); export the folder again")
+    elif cfg["vocab_size"] == GPT2_VOCAB:
+        tokenizer = {"kind": "gpt2", "encoding": "r50k_base"}
+    else:
+        refuse(f"vocab_size={cfg['vocab_size']} is not GPT-2's {GPT2_VOCAB} and there is no "
+               f"{TOKENIZER_FILE}; only the GPT-2 tokenizer can be matched")
+    tensors = {}
+    for file in _safetensors_files(path, refuse):
+        try:
+            tensors.update(safetensors.torch.load_file(file))
+        except Exception as e:
+            refuse(f"{file.name} is not a readable safetensors file ({type(e).__name__}); download or "
+                   f"save it again")
+    return Source(path, cfg, tokenizer, _from_hf(tensors, cfg, refuse))
+
+
+def _safetensors_files(path: Path, refuse) -> list[Path]:
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():  # a sharded save: the index names the shard of every tensor
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            refuse(f"{index.name} is damaged ({type(e).__name__})")
+        if any(Path(n).name != n for n in names):  # shards live in the folder itself
+            refuse(f"{index.name} names a file outside the folder")
+        return [path / n for n in names]
+    refuse("no model.safetensors (pytorch_model.bin is a pickle and is not read); save the model "
+           "with safe_serialization (the default of save_pretrained)")
+
+
+def _from_hf(tensors: dict, cfg: dict, refuse) -> dict[str, torch.Tensor]:
+    """Hugging Face GPT-2 tensor names and layout -> this model's state dict."""
+    # GPT2LMHeadModel prefixes "transformer."; a GPT2Model (and the original hub files) does not.
+    hf = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    c = cfg["n_embd"]
+    out = {}
+
+    def take(name: str, shape: tuple) -> torch.Tensor:
+        t = hf.pop(name, None)
+        if t is None:
+            refuse(f"tensor {name} is missing; the checkpoint is incomplete")
+        if tuple(t.shape) != shape:
+            refuse(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
+        return t.float()
+
+    out["tok_emb.weight"] = take("wte.weight", (cfg["vocab_size"], c))
+    out["pos_emb.weight"] = take("wpe.weight", (cfg["block_size"], c))
+    for i in range(cfg["n_layer"]):
+        h, b = f"h.{i}.", f"blocks.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[b + ln + ".weight"] = take(h + ln + ".weight", (c,))
+            out[b + ln + ".bias"] = take(h + ln + ".bias", (c,))
+        qkv_w, qkv_b = take(h + "attn.c_attn.weight", (c, 3 * c)), take(h + "attn.c_attn.bias", (3 * c,))
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):  # columns [q | k | v] of the fused layer
+            out[b + f"attn.{name}.weight"] = qkv_w[:, j * c:(j + 1) * c].t().contiguous()
+            out[b + f"attn.{name}.bias"] = qkv_b[j * c:(j + 1) * c].clone()
+        for hf_name, name, shape in (("attn.c_proj", "attn.out_proj", (c, c)),
+                                     ("mlp.c_fc", "mlp.fc", (c, 4 * c)), ("mlp.c_proj", "mlp.proj", (4 * c, c))):
+            out[b + name + ".weight"] = take(h + hf_name + ".weight", shape).t().contiguous()
+            out[b + name + ".bias"] = take(h + hf_name + ".bias", (shape[1],))
+        hf.pop(h + "attn.bias", None)  # older saves hold the causal-mask buffers: not weights
+        hf.pop(h + "attn.masked_bias", None)
+    out["ln_f.weight"] = take("ln_f.weight", (c,))
+    out["ln_f.bias"] = take("ln_f.bias", (c,))
+    head = hf.pop("lm_head.weight", None)
+    if not cfg["tie_weights"]:
+        if head is None:
+            refuse("tie_word_embeddings is false but lm_head.weight is missing")
+        out["lm_head.weight"] = head.float()
+    else:  # tied: the state dict names the one matrix twice
+        out["lm_head.weight"] = out["tok_emb.weight"]
+    if hf:
+        refuse(f"unexpected tensor {sorted(hf)[0]} (and {len(hf) - 1} more): not a GPT-2 LM checkpoint")
+    return out
+
+
+def check_tokenizer(src: Source, tokenizer_kind: str, stored: dict | None) -> dict:
+    """The tokenizer record a new run from `src` uses: the source's own (a char model's vocabulary
+    is its id mapping). Refuses another data.tokenizer or a run folder that already stores another."""
+    kind = src.tokenizer.get("kind")
+    if kind != tokenizer_kind:
+        raise UsageError(f"model.init_from {src.path} was trained with the {kind} tokenizer but "
+                         f"data.tokenizer={tokenizer_kind}; set data.tokenizer={kind}")
+    if stored is not None and stored != src.tokenizer:
+        raise UsageError(f"the run folder's tokenizer.json differs from model.init_from {src.path}'s "
+                         f"tokenizer; use another trainer.run_dir")
+    return src.tokenizer
+
+
+def check_shape(src: Source, gpt_cfg) -> None:
+    """One line naming every model setting that differs from the source's."""
+    mine = vars(gpt_cfg)
+    diffs = [f"model.{k}={_show(src.model_config.get(k))} (config: {_show(mine[k])})"
+             for k in SHAPE_KEYS if src.model_config.get(k, "erf" if k == "gelu" else None) != mine[k]]
+    if mine["block_size"] > src.model_config["block_size"]:
+        diffs.append(f"model.block_size <= {src.model_config['block_size']} (config: {mine['block_size']})")
+    if src.model_config["vocab_size"] != mine["vocab_size"]:
+        diffs.append(f"vocabulary {src.model_config['vocab_size']} tokens (this run's tokenizer: "
+                     f"{mine['vocab_size']})")
+    if diffs:
+        raise UsageError(f"model.init_from {src.path} needs {', '.join(diffs)}; set those values "
+                         f"or pick another model.init_from")
+
+
+def _show(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def initial_weights(src: Source, block_size: int) -> dict[str, torch.Tensor]:
+    """The source's weights for a model of this block_size (a shorter context keeps the first
+    position embeddings, as GPT-2 itself is cropped for shorter contexts)."""
+    weights = dict(src.weights)
+    weights["pos_emb.weight"] = weights["pos_emb.weight"][:block_size].clone()
+    return weights
+
+
+# ----------------------------------------------------------------------------- out
+
+
+def write_hf(payload: dict, out: Path) -> None:
+    """config.json + model.safetensors (+ the tokenizer record) of a model.pt payload."""
+    m = payload["model_config"]
+    sd = payload["model"]
+    c = m["n_embd"]
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder for the Hugging Face export")
+
+    def bias(name: str, n: int) -> torch.Tensor:
+        # Hugging Face's GPT-2 always has biases: a bias=False model gets zeros, the same function.
+        return sd[name] if m["bias"] else torch.zeros(n, dtype=sd["tok_emb.weight"].dtype)
+
+    t = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"]}
+    for i in range(m["n_layer"]):
+        h, b = f"transformer.h.{i}.", f"blocks.{i}."
+        for ln in ("ln_1", "ln_2"):
+            t[h + ln + ".weight"] = sd[b + ln + ".weight"]
+            t[h + ln + ".bias"] = bias(b + ln + ".bias", c)
+        t[h + "attn.c_attn.weight"] = torch.cat([sd[b + f"attn.{p}.weight"].t() for p in ("q_proj", "k_proj", "v_proj")], 1)
+        t[h + "attn.c_attn.bias"] = torch.cat([bias(b + f"attn.{p}.bias", c) for p in ("q_proj", "k_proj", "v_proj")])
+        for hf_name, name, n in (("attn.c_proj", "attn.out_proj", c), ("mlp.c_fc", "mlp.fc", 4 * c),
+                                 ("mlp.c_proj", "mlp.proj", c)):
+            t[h + hf_name + ".weight"] = sd[b + name + ".weight"].t()
+            t[h + hf_name + ".bias"] = bias(b + name + ".bias", n)
+    t["transformer.ln_f.weight"] = sd["ln_f.weight"]
+    t["transformer.ln_f.bias"] = bias("ln_f.bias", c)
+    if not m["tie_weights"]:
+        t["lm_head.weight"] = sd["lm_head.weight"]
+    gpt2 = payload["tokenizer"].get("kind") == "gpt2"
+    drop = m.get("dropout", 0.0)
+    config = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
+        "n_positions": m["block_size"], "n_embd": c, "n_layer": m["n_layer"], "n_head": m["n_head"],
+        "n_inner": None, "activation_function": "gelu_new" if m.get("gelu", "erf") == "tanh" else "gelu",
+        "resid_pdrop": drop, "embd_pdrop": drop, "attn_pdrop": drop, "layer_norm_epsilon": LAYER_NORM_EPS,
+        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": m["tie_weights"], "use_cache": True,
+        # <|endoftext|> of the GPT-2 BPE; a char vocabulary has no such token
+        "bos_token_id": GPT2_VOCAB - 1 if gpt2 else None, "eos_token_id": GPT2_VOCAB - 1 if gpt2 else None,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in t.items()}  # no shared storage
+    _atomic(out / "model.safetensors", lambda p: safetensors.torch.save_file(tensors, p, metadata={"format": "pt"}))
+    _atomic(out / TOKENIZER_FILE, lambda p: p.write_text(json.dumps(payload["tokenizer"], ensure_ascii=False),
+                                                         encoding="utf-8"))
+    _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
