@@ -126,6 +126,8 @@ BAD_INPUTS = {
     "n_head": (["model.n_head=0"], "model.n_head must be > 0"),
     "block_size": (["model.block_size=-4"], "model.block_size must be > 0"),
     "dropout": (["model.dropout=1.0"], "model.dropout must be in [0, 1)"),
+    "gelu": (["model.gelu=relu"], "model.gelu='relu' is not one of erf, tanh"),
+    "init_from missing": (["model.init_from={root}/nope.pt"], "model.init_from '"),
     "max_steps": (["trainer.max_steps=0"], "trainer.max_steps must be > 0"),
     "max_epochs": (["trainer.max_epochs=-1"], "trainer.max_epochs must be >= 0"),
     "batch_size": (["trainer.batch_size=0"], "trainer.batch_size must be > 0"),
