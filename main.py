@@ -132,8 +132,10 @@ def run(argv) -> int:
         gpt_cfg = GPTConfig(**trainer.model_config)
         meta = trainer.resume()
         if meta is None and cfg.model.init_from and trainer.init_from is None:
-            raise UsageError(f"{run_dir / 'snapshots'} holds no valid snapshot to resume, and starting "
-                             f"over from model.init_from would discard it; move the folder aside")
+            # The weights went in before the strategy split the model, when the snapshots looked
+            # resumable; rather than train from random weights, say what to do.
+            raise UsageError(f"{run_dir / 'snapshots'} holds no valid snapshot to resume; move that folder "
+                             f"aside to start over from model.init_from")
 
         # ---- every check has passed: from here on this launch writes into the run folder
         if env.rank == 0:

@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import export
 import main as app
-from char_dataset import Batching
+from char_dataset import Batching, CharDataset, load_corpus
 from config import load_config
 from harness import TINY, torchrun
 from parallel.mesh import init_distributed
@@ -62,6 +62,10 @@ def hf_loss(model, x, y) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
 
 
+def digests(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def first_logged_loss(run_dir: Path) -> dict:
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return next(r for r in rows if "loss" in r)
@@ -101,13 +105,14 @@ def test_finetune_imported_gpt2_under_fsdp_and_tp_starts_from_its_loss(hf_dir, t
         assert row["step"] == 1 and abs(row["loss"] - want) <= 1e-4, (name, row["loss"], want)
 
 
-@pytest.mark.parametrize("variant", ["char", "gpt2_no_bias"])
+@pytest.mark.parametrize("variant", ["char", "gpt2_untied_no_bias"])
 def test_export_hf_loads_in_transformers_with_our_logits(variant, tmp_path):
     """A short trained run exported as a Hugging Face folder; char models carry their vocabulary
-    (mingpt_tokenizer.json); bias=False models get zero biases (the same function). Then the
-    exported folder is imported back with model.init_from: the same weights again."""
-    extra = {"char": [], "gpt2_no_bias": ["data.tokenizer=gpt2", "model.n_layer=2", "model.bias=false",
-                                          "model.gelu=tanh"]}[variant]
+    (mingpt_tokenizer.json); bias=False models get zero biases (the same function); an untied LM
+    head is written as lm_head.weight. Then the exported folder is imported back with
+    model.init_from: the same weights again."""
+    extra = {"char": [], "gpt2_untied_no_bias": ["data.tokenizer=gpt2", "model.n_layer=2", "model.bias=false",
+                                                 "model.tie_weights=false", "model.gelu=tanh"]}[variant]
     run = tmp_path / "run"
     assert app.main(TINY + extra + ["parallel.strategy=none", "trainer.max_steps=3", "trainer.sample_tokens=0",
                                     f"trainer.run_dir={run}"]) == 0
@@ -142,7 +147,6 @@ def test_init_from_model_pt_starts_a_new_run_and_a_resume_ignores_it(tmp_path, c
     assert f"weights from {first / 'model.pt'}" in capsys.readouterr().out
     # the new run's first step trains the finished run's model: its loss on batch 0
     cfg = load_config(None, launch)
-    from char_dataset import CharDataset, load_corpus
     text, _ = load_corpus(cfg.data)
     data = CharDataset(tok.encode(text), cfg.model.block_size, cfg.data.val_fraction, cfg.trainer.seed)
     x, y = data.train_batch(0, Batching(cfg.trainer.batch_size))
@@ -157,6 +161,15 @@ def test_init_from_model_pt_starts_a_new_run_and_a_resume_ignores_it(tmp_path, c
     steps = [json.loads(l)["step"] for l in (second / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(l)]
     assert steps == [1, 2, 3]
+    # every snapshot damaged: no resume, and no silent start over from init_from either
+    for meta in (second / "snapshots").glob("step_*/meta.json"):
+        meta.write_text(meta.read_text()[:-20])
+    before = digests(second)
+    capsys.readouterr()
+    assert app.main(launch + ["trainer.max_steps=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "holds no valid snapshot to resume" in err[-1], err
+    assert digests(second) == before
 
 
 @pytest.fixture(scope="module")
