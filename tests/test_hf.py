@@ -161,6 +161,14 @@ def test_init_from_model_pt_starts_a_new_run_and_a_resume_ignores_it(tmp_path, c
     steps = [json.loads(l)["step"] for l in (second / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(l)]
     assert steps == [1, 2, 3]
+    # the finished run's model_config and tokenizer record must agree with the new run's config
+    for wrong, words in ((["model.n_embd=64"], "model.n_embd=32 (config: 64)"),
+                         (["data.tokenizer=gpt2"], "was trained with the char tokenizer but data.tokenizer=gpt2")):
+        third = tmp_path / "third"
+        assert app.main(launch[:-1] + [f"trainer.run_dir={third}"] + wrong) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+        assert not third.exists()
     # every snapshot damaged: no resume, and no silent start over from init_from either
     for meta in (second / "snapshots").glob("step_*/meta.json"):
         meta.write_text(meta.read_text()[:-20])
