@@ -267,4 +267,9 @@ def write_hf(payload: dict, out: Path) -> None:
 def _atomic(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    # safetensors creates its file readable by the owner only; the folder is meant to be shared
+    # like any file this user writes, so give every file the mode the umask allows.
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
     os.replace(tmp, path)
