@@ -87,7 +87,8 @@ def _open_hf(path: Path) -> Source:
     n_embd = int(hf.get("n_embd", 768))
     if hf.get("n_inner") not in (None, 4 * n_embd):
         refuse(f"n_inner={hf['n_inner']} is not 4 x n_embd={4 * n_embd}, this model's MLP width")
-    cfg = {"vocab_size": int(hf.get("vocab_size", GPT2_VOCAB)), "block_size": int(hf.get("n_positions", 1024)),
+    cfg = {"vocab_size": int(hf.get("vocab_size", GPT2_VOCAB)),
+           "block_size": int(hf.get("n_positions", 1024)),
            "n_layer": int(hf.get("n_layer", 12)), "n_head": int(hf.get("n_head", 12)), "n_embd": n_embd,
            "bias": True, "tie_weights": bool(hf.get("tie_word_embeddings", True)), "gelu": HF_GELU[act]}
     record_file = path / TOKENIZER_FILE
@@ -153,8 +154,8 @@ def _from_hf(tensors: dict, cfg: dict, refuse) -> dict[str, torch.Tensor]:
         for j, name in enumerate(("q_proj", "k_proj", "v_proj")):  # columns [q | k | v] of the fused layer
             out[b + f"attn.{name}.weight"] = qkv_w[:, j * c:(j + 1) * c].t().contiguous()
             out[b + f"attn.{name}.bias"] = qkv_b[j * c:(j + 1) * c].clone()
-        for hf_name, name, shape in (("attn.c_proj", "attn.out_proj", (c, c)),
-                                     ("mlp.c_fc", "mlp.fc", (c, 4 * c)), ("mlp.c_proj", "mlp.proj", (4 * c, c))):
+        for hf_name, name, shape in (("attn.c_proj", "attn.out_proj", (c, c)), ("mlp.c_fc", "mlp.fc", (c, 4 * c)),
+                                     ("mlp.c_proj", "mlp.proj", (4 * c, c))):
             out[b + name + ".weight"] = take(h + hf_name + ".weight", shape).t().contiguous()
             out[b + name + ".bias"] = take(h + hf_name + ".bias", (shape[1],))
         hf.pop(h + "attn.bias", None)  # older saves hold the causal-mask buffers: not weights
@@ -234,8 +235,9 @@ def write_hf(payload: dict, out: Path) -> None:
         for ln in ("ln_1", "ln_2"):
             t[h + ln + ".weight"] = sd[b + ln + ".weight"]
             t[h + ln + ".bias"] = bias(b + ln + ".bias", c)
-        t[h + "attn.c_attn.weight"] = torch.cat([sd[b + f"attn.{p}.weight"].t() for p in ("q_proj", "k_proj", "v_proj")], 1)
-        t[h + "attn.c_attn.bias"] = torch.cat([bias(b + f"attn.{p}.bias", c) for p in ("q_proj", "k_proj", "v_proj")])
+        qkv = ("q_proj", "k_proj", "v_proj")  # the fused layer's columns, in this order
+        t[h + "attn.c_attn.weight"] = torch.cat([sd[b + f"attn.{p}.weight"].t() for p in qkv], 1)
+        t[h + "attn.c_attn.bias"] = torch.cat([bias(b + f"attn.{p}.bias", c) for p in qkv])
         for hf_name, name, n in (("attn.c_proj", "attn.out_proj", c), ("mlp.c_fc", "mlp.fc", 4 * c),
                                  ("mlp.c_proj", "mlp.proj", c)):
             t[h + hf_name + ".weight"] = sd[b + name + ".weight"].t()
@@ -258,9 +260,9 @@ def write_hf(payload: dict, out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in t.items()}  # no shared storage
+    record = json.dumps(payload["tokenizer"], ensure_ascii=False)
     _atomic(out / "model.safetensors", lambda p: safetensors.torch.save_file(tensors, p, metadata={"format": "pt"}))
-    _atomic(out / TOKENIZER_FILE, lambda p: p.write_text(json.dumps(payload["tokenizer"], ensure_ascii=False),
-                                                         encoding="utf-8"))
+    _atomic(out / TOKENIZER_FILE, lambda p: p.write_text(record, encoding="utf-8"))
     _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
 
 
