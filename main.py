@@ -53,7 +53,7 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
     from char_dataset import CharDataset, build_tokenizer, load_corpus, load_tokenizer_record
     from model import GPT, GPTConfig
     from parallel import build_strategy
-    from pretrained import check_shape, check_tokenizer, initial_weights, open_source
+    from pretrained import check_shape, check_tokenizer, load_initial, open_source
     from snapshot import list_snapshots
     from trainer import Trainer, seed_rng
 
@@ -75,7 +75,7 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
     model = GPT(gpt_cfg)
     if source is not None:
         check_shape(source, gpt_cfg)
-        model.load_state_dict(initial_weights(source, gpt_cfg.block_size))
+        load_initial(model, source)
     strategy.setup(model)
     seed_rng(cfg.trainer.seed, 0, strategy.dp_rank)  # dropout: per dp rank, shared by tp peers
     trainer = Trainer(cfg, data, tok, strategy, run_dir, dc.asdict(gpt_cfg))

@@ -190,8 +190,9 @@ def check_tokenizer(src: Source, tokenizer_kind: str, stored: dict | None) -> di
 def check_shape(src: Source, gpt_cfg) -> None:
     """One line naming every model setting that differs from the source's."""
     mine = vars(gpt_cfg)
-    diffs = [f"model.{k}={_show(src.model_config.get(k))} (config: {_show(mine[k])})"
-             for k in SHAPE_KEYS if src.model_config.get(k, "erf" if k == "gelu" else None) != mine[k]]
+    theirs = {"gelu": "erf", **src.model_config}  # a model.pt from before model.gelu existed: erf
+    diffs = [f"model.{k}={_show(theirs.get(k))} (config: {_show(mine[k])})"
+             for k in SHAPE_KEYS if theirs.get(k) != mine[k]]
     if mine["block_size"] > src.model_config["block_size"]:
         diffs.append(f"model.block_size <= {src.model_config['block_size']} (config: {mine['block_size']})")
     if src.model_config["vocab_size"] != mine["vocab_size"]:
@@ -206,12 +207,22 @@ def _show(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def initial_weights(src: Source, block_size: int) -> dict[str, torch.Tensor]:
-    """The source's weights for a model of this block_size (a shorter context keeps the first
-    position embeddings, as GPT-2 itself is cropped for shorter contexts)."""
+def load_initial(model, src: Source) -> None:
+    """Copy the source's weights into `model` (checked by check_shape). A shorter context keeps
+    the first position embeddings, as GPT-2 itself is cropped for shorter contexts."""
     weights = dict(src.weights)
-    weights["pos_emb.weight"] = weights["pos_emb.weight"][:block_size].clone()
-    return weights
+    if "pos_emb.weight" in weights:
+        weights["pos_emb.weight"] = weights["pos_emb.weight"][:model.cfg.block_size]
+    want = model.state_dict()
+    problems = [f"{k} is missing" for k in sorted(want.keys() - weights.keys())]
+    problems += [f"{k} is unexpected" for k in sorted(weights.keys() - want.keys())]
+    problems += [f"{k} has shape {tuple(weights[k].shape)}, not {tuple(want[k].shape)}"
+                 for k in sorted(want.keys() & weights.keys()) if weights[k].shape != want[k].shape]
+    if problems:  # a model.pt whose tensors do not match its own model_config
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise UsageError(f"model.init_from {src.path} holds tensors that do not fit its model_config "
+                         f"({problems[0]}{more}); export it again with python export.py")
+    model.load_state_dict(weights)
 
 
 # ----------------------------------------------------------------------------- out

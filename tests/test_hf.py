@@ -195,6 +195,10 @@ def bad_sources(hf_dir, tmp_path_factory) -> Path:
     (root / "bin_only" / "model.safetensors").unlink()
     (root / "garbage.pt").write_bytes(b"\x80\x04 not a zip file at all" * 10)
     torch.save({"model": {}, "config": {}}, root / "foreign.pt")
+    shape = dict(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
+                 tie_weights=True, gelu="tanh")  # the right model_config over the wrong tensors
+    torch.save({"model": {"tok_emb.weight": torch.zeros(3)}, "model_config": shape,
+                "tokenizer": {"kind": "gpt2", "encoding": "r50k_base"}}, root / "misfit.pt")
     return root
 
 
@@ -212,6 +216,7 @@ MISMATCHES = {
     "pickle only": (["model.init_from={bad}/bin_only"], "no model.safetensors"),
     "damaged model.pt": (["model.init_from={bad}/garbage.pt"], "not a readable model.pt"),
     "foreign model.pt": (["model.init_from={bad}/foreign.pt"], "not a model.pt of this project"),
+    "tensors unlike model_config": (["model.init_from={bad}/misfit.pt"], "do not fit its model_config"),
 }
 
 
