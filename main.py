@@ -132,8 +132,9 @@ def run(argv) -> int:
         gpt_cfg = GPTConfig(**trainer.model_config)
         meta = trainer.resume()
         if meta is None and cfg.model.init_from and trainer.init_from is None:
-            # The weights went in before the strategy split the model, when the snapshots looked
-            # resumable; rather than train from random weights, say what to do.
+            # build_trainer skipped init_from because the folder holds snapshots (a resume wins),
+            # and the model is already split; none was valid, so rather than train from random
+            # weights, say how to start over from init_from.
             raise UsageError(f"{run_dir / 'snapshots'} holds no valid snapshot to resume; move that folder "
                              f"aside to start over from model.init_from")
 
