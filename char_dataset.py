@@ -15,7 +15,6 @@ import base64
 import hashlib
 import json
 import os
-import sys
 import sysconfig
 import tempfile
 import urllib.parse
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import TINY_SHAKESPEARE_SHA256, DataConfig, UsageError, redact_url
+from config import DataConfig, UsageError, redact_url
 
 FALLBACK_CHARS = 2_000_000  # size of the offline fallback corpus
 

@@ -20,8 +20,14 @@ import torch
 from config import UsageError
 from model import GPT, GPTConfig
 from pretrained import write_hf
-from snapshot import (UnsafeSnapshot, list_snapshots, load_tensors, other_format_refusal, step_dir_name,
-                      validate_snapshot)
+from snapshot import (
+    UnsafeSnapshot,
+    list_snapshots,
+    load_tensors,
+    other_format_refusal,
+    step_dir_name,
+    validate_snapshot,
+)
 
 
 def consolidate(run_dir: Path, step: int | None) -> dict:

@@ -12,7 +12,6 @@ SIGTERM/SIGINT during training: every rank stops at one step, saves it, one line
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import sys

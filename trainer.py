@@ -18,12 +18,9 @@ the same (pp, dp, tp) layout (else derives them per dp rank, so tp peers share o
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import resource
-import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch

@@ -166,7 +166,8 @@ def main(argv=None) -> int:
 
 
 def profile(trainer, steps: int) -> int:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
     for _ in range(10):  # warm-up (and compilation)
         trainer.train_step()
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -27,8 +27,8 @@ import contextlib
 from typing import Callable, Iterator
 
 import torch
-import torch.nn as nn
 import torch.distributed as dist
+import torch.nn as nn
 
 from config import Config, UsageError
 from model import GPT, lm_loss

@@ -100,6 +100,7 @@ class FSDPStrategy(Strategy):
             return None
         if p.tp > 1 or p.pp > 1:  # gradients also split over tp/pp ranks: agree over the world
             import torch.distributed as dist
+
             from parallel.scaler import DistributedGradScaler
             scaler = DistributedGradScaler(self.device.type, process_group=dist.group.WORLD)
             scaler.scale(torch.zeros((), device=self.device))  # pipeline ranks without a loss need the scale too

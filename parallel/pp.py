@@ -50,9 +50,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
@@ -60,7 +65,6 @@ from torch.nn.parallel import DistributedDataParallel
 from config import Config, UsageError
 from model import GPT
 from parallel import local_tensor
-
 
 # ----------------------------------------------------------------------------- layout rules
 
@@ -193,7 +197,6 @@ class Pipeline:
     """This rank's pipeline stages, their schedule, and the tied-weight bookkeeping."""
 
     def __init__(self, model: GPT, cfg: Config, mesh, device: torch.device, per_rank_batch: int):
-        p = cfg.parallel
         self.cfg = cfg
         self.device = device
         self.pp_mesh = mesh["pp"]

@@ -9,16 +9,21 @@ import http.server
 import socket
 import threading
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-from char_dataset import (Batching, CharDataset, CharTokenizer, GPT2Tokenizer, corpus_cache_path,
-                          fallback_corpus, load_corpus)
+from char_dataset import (
+    Batching,
+    CharDataset,
+    CharTokenizer,
+    GPT2Tokenizer,
+    corpus_cache_path,
+    fallback_corpus,
+    load_corpus,
+)
 from config import DataConfig, UsageError
 from harness import TINY, python
-
 
 # ----------------------------------------------------------------------------- tokenizers
 

@@ -24,11 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import main as app
 from harness import TINY, python, run_steps, torchrun
 from parallel import Strategy
 from parity import FP16_SCALE, PARAM_ATOL, assert_parity, load_case, parity_errors
-
-import main as app
 
 STEPS = 10
 ZERO = "parallel.strategy=zero parallel.zero_stage="
@@ -254,6 +253,7 @@ def test_state_dict_loads_across_strategies_and_world_sizes(two, four, tmp_path)
         assert_same_state(expected[ckpt], torch.load(four / f"{name}.pt", weights_only=True), f"{name} (4 ranks)")
     # ... and into one process without a process group (parallel.strategy=none)
     import torch.distributed.checkpoint as dcp
+
     from dp_worker import build, whole_state
     trainer = build("parallel.strategy=none", tmp_path)
     template = trainer.strategy.state_dict(trainer.optimizer)

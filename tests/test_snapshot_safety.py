@@ -24,11 +24,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from harness import TINY
-
 import export
 import main as app
 import sample
+from harness import TINY
 
 ARGS = TINY + ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20", "parallel.strategy=none",
                "trainer.save_every=1"]

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import REPO, TINY, child_env, multiprocess_lock, python, torchrun, worker_pids
-
 import main as app
+from harness import REPO, TINY, child_env, multiprocess_lock, python, torchrun, worker_pids
 
 # The cosine schedule's length is fixed, so a run cut at step k and resumed with a larger
 # max_steps follows the same LR curve as the uninterrupted one.

@@ -25,14 +25,13 @@ import math
 import pytest
 import torch
 
+import main as app
 from config import UsageError, load_config
 from harness import TINY, torchrun
 from parallel import strategy_class
 from parallel.mesh import DistEnv
 from parity import FP16_SCALE, LOSS_RTOL, assert_parity, load_case
 from tp_pp_worker import run_case
-
-import main as app
 
 STEPS = 10
 VAL_RTOL = 1e-4
