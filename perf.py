@@ -5,13 +5,24 @@ MFU = achieved model FLOP/s / peak FLOP/s of the devices the layout uses, with m
 fp32-matmul specs; fp32 matmuls run on TF32 tensor cores there (`set_fp32_matmul_mode`, as
 nanoGPT and most training scripts do), so the fp32 peak is the TF32 one on GPUs that have TF32
 (compute capability 8.0 and later) and the plain fp32 one before. On CPU there is no spec to
-trust, so we measure it: the best of a few large matmuls in the training's own dtype (fp32, or
-bf16/fp16 under autocast) on the threads this process is allowed to use. The benchmark prints that
-measured peak next to its MFU.
+trust, so we measure it: the best of repeated matmuls of a few sizes in the training's own dtype
+(fp32, or bf16/fp16 under autocast) on the threads this process is allowed to use. A neighbour's
+work or a cold core only ever makes a measurement too low, so (1) the measurement is cached in a
+small JSON file per machine fingerprint (CPU model, thread count, torch version, dtype), and start-up
+reads it instead of measuring again; and (2) a run whose achieved FLOP rate exceeds the peak measures
+again (once) and keeps the higher figure; if the rate still exceeds it (or exceeds a table or
+trainer.peak_flops peak, never re-measured), a warning names the peak and MFU is reported as 0
+(unknown peak) from then on: never above 100%. The benchmark prints its measured peak next to its MFU.
 """
 from __future__ import annotations
 
+import json
+import math
+import os
+import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +40,14 @@ _GPU_PEAKS = {
 _MATMUL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _cpu_peak_cache: dict[tuple[int, torch.dtype], float] = {}
+
+# MINGPT_PEAK_CACHE relocates the cache file (the tests point it at a temporary folder).
+PEAK_CACHE_ENV = "MINGPT_PEAK_CACHE"
+# Matmul sizes of the CPU peak: small ones fit the caches, large ones amortize the threading; which
+# size is fastest depends on the CPU. torch's CPU fp16 matmul is a slow generic kernel (0.4 GFLOP/s
+# at 1024^3 on the project's machine): small sizes keep its measurement under a second.
+_CPU_SIZES = {"fp16": (128, 256)}
+_CPU_SIZES_DEFAULT = (256, 512, 1024)
 
 
 def set_fp32_matmul_mode(device: torch.device) -> None:
@@ -65,6 +84,78 @@ def measure_cpu_matmul_peak(n: int = 1024, repeats: int = 5, min_seconds: float 
     return measured
 
 
+def peak_cache_path() -> Path:
+    """The JSON file of measured CPU peaks: $MINGPT_PEAK_CACHE, else mingpt-parallel/peak-flops.json
+    under $XDG_CACHE_HOME (default ~/.cache)."""
+    if os.environ.get(PEAK_CACHE_ENV):
+        return Path(os.environ[PEAK_CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mingpt-parallel" / "peak-flops.json"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_fingerprint(precision: str) -> str:
+    """The cache key of a CPU peak: what the peak depends on."""
+    return f"{_cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {precision}"
+
+
+def _read_peak_cache(path: Path) -> dict[str, float]:
+    """The cached peaks; a missing, unreadable or damaged file (or entry) reads as none: it is only a
+    cache, measured again and rewritten."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
+
+
+def _write_peak_cache(path: Path, key: str, flops: float) -> None:
+    """Store one peak, keeping the others; written to a temporary file and renamed, so a reader (or
+    another rank writing at the same time) never sees half a file. A cache that cannot be written
+    (read-only home) is skipped: the next start-up measures again."""
+    peaks = _read_peak_cache(path)
+    peaks[key] = flops
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def measure_cpu_peak(precision: str, rounds: int = 3, min_seconds: float = 0.1) -> float:
+    """Best FLOP/s of `rounds` sweeps over a few matmul sizes, each size run for `min_seconds` (and at
+    least 3 times): about a second in all."""
+    dtype = _MATMUL_DTYPES[precision]
+    return max(measure_cpu_matmul_peak(n=n, repeats=3, min_seconds=min_seconds, refresh=True, dtype=dtype)
+               for _ in range(rounds) for n in _CPU_SIZES.get(precision, _CPU_SIZES_DEFAULT))
+
+
+def cpu_peak(precision: str, refresh: bool = False) -> tuple[float, bool]:
+    """(the CPU peak FLOP/s of `precision` on this machine, whether it came from the cache file).
+    `refresh` measures again and caches the higher of the cached and the new figure."""
+    path, key = peak_cache_path(), machine_fingerprint(precision)
+    cached = _read_peak_cache(path).get(key, 0.0)
+    if cached and not refresh:
+        return cached, True
+    peak = max(cached, measure_cpu_peak(precision))
+    _write_peak_cache(path, key, peak)
+    return peak, False
+
+
 def device_peak(device: torch.device, precision: str, override: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s of one device for MFU, a label saying what that peak is); `override`
     (trainer.peak_flops) wins when > 0. 0.0 when unknown: MFU is then not reported."""
@@ -80,11 +171,9 @@ def device_peak(device: torch.device, precision: str, override: float = 0.0) -> 
                 kind = "TF32 (fp32 matmuls run as TF32)" if tf32 else "fp32"
                 return single, f"{name} dense {kind} {single / 1e12:.3g} TFLOP/s"
         return 0.0, f"{name}: unknown peak, MFU not reported (set trainer.peak_flops)"
-    # fp16: torch's CPU fp16 matmul is a slow generic kernel (measured 0.4 GFLOP/s at 1024^3, a
-    # 6 s start-up); at 256^3 the measurement takes a fraction of a second.
-    n = 256 if precision == "fp16" else 1024
-    peak = measure_cpu_matmul_peak(n=n, dtype=_MATMUL_DTYPES[precision])
-    return peak, f"CPU {precision} {n}^3 matmul, measured {peak / 1e9:.3g} GFLOP/s"
+    peak, cached = cpu_peak(precision)
+    how = f"cached in {peak_cache_path()}" if cached else f"measured, cached in {peak_cache_path()}"
+    return peak, f"CPU {precision} matmul {peak / 1e9:.3g} GFLOP/s ({how})"
 
 
 def device_peak_flops(device: torch.device, precision: str, override: float = 0.0) -> float:
@@ -97,3 +186,45 @@ def mfu(flops_per_token: float, tokens_per_sec: float, peak: float, n_devices: i
     if peak <= 0:
         return 0.0
     return flops_per_token * tokens_per_sec / (peak * n_devices)
+
+
+class Peak:
+    """The peak one device's MFU divides by during a run (device_peak), checked against what the run
+    achieves: MFU is never reported above 1. A measured CPU peak that the run exceeds is measured
+    again, once (and the cache file updated); a peak still exceeded, or a table or trainer.peak_flops
+    peak exceeded, is flagged by one warning line (on stderr, where `report`) and MFU is 0 (unknown
+    peak) from then on."""
+
+    def __init__(self, device: torch.device, precision: str, override: float = 0.0, report: bool = True):
+        self.precision = precision
+        self.report = report
+        self.value, self.label = device_peak(device, precision, override)
+        self.source = ("trainer.peak_flops" if override > 0 else
+                       f"the cache {peak_cache_path()}" if device.type == "cpu" else "the GPU table")
+        self.remeasure = override <= 0 and device.type == "cpu"
+        self.flagged = False
+
+    def _warn(self, text: str) -> None:
+        if self.report:
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+
+    def mfu(self, flops_per_token: float, tokens_per_sec: float, n_devices: int) -> float:
+        value = mfu(flops_per_token, tokens_per_sec, self.value, n_devices)
+        if value <= 1 or self.flagged:
+            return 0.0 if self.flagged else value
+        achieved = flops_per_token * tokens_per_sec / n_devices
+        if self.remeasure:
+            self.remeasure = False
+            stale = self.value
+            self.value = cpu_peak(self.precision, refresh=True)[0]
+            self._warn(f"this run achieves {achieved / 1e9:.3g} GFLOP/s per device, above the CPU "
+                       f"{self.precision} peak {stale / 1e9:.3g} GFLOP/s from {self.source}: measured "
+                       f"again, {self.value / 1e9:.3g} GFLOP/s")
+            value = mfu(flops_per_token, tokens_per_sec, self.value, n_devices)
+            if value <= 1:
+                return value
+        self.flagged = True
+        self._warn(f"this run achieves {achieved / 1e9:.3g} GFLOP/s per device, above the peak "
+                   f"{self.value / 1e9:.3g} GFLOP/s from {self.source}: MFU is reported as 0 (unknown "
+                   f"peak) from here on; set trainer.peak_flops to the right peak")
+        return 0.0

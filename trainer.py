@@ -31,7 +31,7 @@ from char_dataset import Batching, CharDataset
 from config import Config, UsageError
 from parallel import Strategy, local_tensor
 from parallel.mesh import control_group
-from perf import device_peak, mfu, set_fp32_matmul_mode
+from perf import Peak, set_fp32_matmul_mode
 from snapshot import SnapshotManager, _fault_point, rng_state, set_rng_state
 from tracking import NullTracker, Progress
 
@@ -145,8 +145,8 @@ class Trainer:
                                          strategy.env.distributed)
         self.flops_per_token = strategy.flops_per_token
         set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
-        self.peak_flops, self.peak_label = device_peak(strategy.device, cfg.trainer.precision,
-                                                       cfg.trainer.peak_flops)
+        self.peak = Peak(strategy.device, cfg.trainer.precision, cfg.trainer.peak_flops, strategy.is_tracker)
+        self.peak_label = self.peak.label
         self.held_bytes: dict[str, int] = {}  # Strategy.resident_bytes, read on log steps
         self.last_val_loss: float | None = None
         self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
@@ -420,7 +420,7 @@ class Trainer:
                 tokens_per_sec = tokens_per_step * window_steps / window_time
                 window_means.append(window_time / window_steps)
                 row.update(loss=loss_v, lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
-                           mfu=mfu(self.flops_per_token, tokens_per_sec, self.peak_flops, s.num_devices),
+                           mfu=self.peak.mfu(self.flops_per_token, tokens_per_sec, s.num_devices),
                            step_time_ms=1000 * window_means[-1], **self._memory_row())
                 progress.update(self.step, row)
                 window_time, window_steps = 0.0, 0

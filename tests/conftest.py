@@ -23,3 +23,10 @@ torch.set_num_threads(1)
 def corpus() -> Path:
     assert CORPUS.is_file(), f"test corpus missing: {CORPUS} (the shared/ folder beside the repo)"
     return CORPUS
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _relocated_peak_cache(tmp_path_factory):
+    """The measured CPU peaks (perf.py) go to a file of this session, not the user's ~/.cache: a peak
+    measured on a machine busy with tests must not stay behind as the user's."""
+    os.environ["MINGPT_PEAK_CACHE"] = str(tmp_path_factory.mktemp("peak") / "peak-flops.json")

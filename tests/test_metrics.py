@@ -8,10 +8,18 @@ device count and the peak that MFU divides by, and the fp32 matmul mode the GPU 
 - MFU divides by every device of the layout: under parallel.strategy=dp (nn.DataParallel) one
   process drives all GPUs.
 - bf16 on CPU: the peak is a bf16 matmul, measured the same way as the fp32 one.
+- MFU is never above 1 (issue 13): a CPU peak is cached per machine fingerprint in a JSON file
+  ($MINGPT_PEAK_CACHE here: a temporary folder); a cached peak that a run exceeds (a stale cache,
+  caused by seeding the file with a peak that is too low) is measured again; a trainer.peak_flops
+  that a run exceeds is never re-measured but flagged, and MFU is 0 (unknown) from then on; a damaged
+  cache file is ignored (measured again and rewritten), with no traceback.
 - CUDA (no GPU here: only the table lookup and the switch are tested): fp32 matmuls run as TF32
   on GPUs that have it, and the peak and its label say TF32 there and fp32 elsewhere.
 """
 from __future__ import annotations
+
+import json
+import time
 
 import pytest
 import torch
@@ -24,6 +32,20 @@ from parallel import Strategy
 from parallel.dp import DataParallelStrategy
 from parallel.mesh import DistEnv, init_distributed
 from tracking import NullTracker
+
+
+@pytest.fixture(autouse=True)
+def peak_cache(tmp_path, monkeypatch):
+    """Every test here has its own, empty, CPU peak cache file."""
+    path = tmp_path / "cache" / "peak-flops.json"
+    monkeypatch.setenv("MINGPT_PEAK_CACHE", str(path))
+    return path
+
+
+def tiny_trainer(run_dir, *overrides):
+    cfg = load_config(None, TINY + ["parallel.strategy=none", "trainer.eval_every=100",
+                                    f"trainer.run_dir={run_dir}", *overrides])
+    return build_trainer(cfg, init_distributed(cfg), run_dir)
 
 
 class Rows(NullTracker):
@@ -60,18 +82,56 @@ def test_memory_metrics_name_rss_and_hold_the_strategy_tensor_bytes(tmp_path, mo
         assert held["grads"] == held["params"] > 0 and held["optimizer"] == 2 * held["params"]
 
 
-def test_bf16_mfu_on_cpu_divides_by_a_bf16_peak(tmp_path):
+def test_bf16_mfu_on_cpu_divides_by_a_bf16_peak(tmp_path, peak_cache):
     peaks = {}
     for prec in ("fp32", "bf16"):
-        cfg = load_config(None, TINY + ["parallel.strategy=none", f"trainer.precision={prec}",
-                                        f"trainer.run_dir={tmp_path / prec}"])
-        trainer = build_trainer(cfg, init_distributed(cfg), tmp_path / prec)
-        peaks[prec] = trainer.peak_flops
+        trainer = tiny_trainer(tmp_path / prec, f"trainer.precision={prec}")
+        peaks[prec] = trainer.peak.value
         assert prec in trainer.peak_label and "measured" in trainer.peak_label, trainer.peak_label
-    # the measurement is cached per (threads, dtype): asking again returns what the Trainer used
-    assert peaks["bf16"] == perf.measure_cpu_matmul_peak(dtype=torch.bfloat16)
-    assert peaks["fp32"] == perf.measure_cpu_matmul_peak(dtype=torch.float32)
+    # each is cached under its own fingerprint (CPU model, threads, torch version, dtype)
+    cached = json.loads(peak_cache.read_text())
+    assert cached == {perf.machine_fingerprint(p): peaks[p] for p in peaks}
     assert peaks["bf16"] != peaks["fp32"]
+
+
+def test_a_stale_cached_cpu_peak_is_measured_again_and_mfu_never_exceeds_1(tmp_path, peak_cache, capsys):
+    key = perf.machine_fingerprint("fp32")
+    peak_cache.parent.mkdir()
+    peak_cache.write_text(json.dumps({key: 1e3, "another machine": 5e9}))  # far below any real CPU
+    trainer = tiny_trainer(tmp_path, "trainer.max_steps=4", "trainer.log_every=2")
+    assert "cached" in trainer.peak_label and "1e-06 GFLOP/s" in trainer.peak_label, trainer.peak_label
+    trainer.tracker = Rows()
+    trainer.train()
+    mfus = [r["mfu"] for r in trainer.tracker.rows if "mfu" in r]
+    assert len(mfus) == 2 and all(0 < m <= 1 for m in mfus), mfus
+    remeasured = json.loads(peak_cache.read_text())
+    assert remeasured[key] > 1e6 and remeasured["another machine"] == 5e9
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and str(peak_cache) in warnings[0] and "measured again" in warnings[0], warnings
+
+
+def test_a_peak_flops_override_that_a_run_exceeds_is_flagged_never_remeasured(tmp_path, peak_cache, capsys):
+    trainer = tiny_trainer(tmp_path, "trainer.max_steps=4", "trainer.log_every=2", "trainer.peak_flops=1000")
+    trainer.tracker = Rows()
+    trainer.train()
+    assert [r["mfu"] for r in trainer.tracker.rows if "mfu" in r] == [0.0, 0.0]  # unknown, not 1e5 %
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "trainer.peak_flops" in warnings[0], warnings
+    assert not peak_cache.exists()  # nothing measured (a measurement is written to the cache)
+
+
+def test_a_damaged_peak_cache_is_measured_again_and_rewritten(tmp_path, peak_cache, capsys):
+    peak_cache.parent.mkdir()
+    peak_cache.write_bytes(b"\x00\xff{not json")
+    t0 = time.perf_counter()
+    measured = tiny_trainer(tmp_path / "a").peak_label
+    t1 = time.perf_counter()
+    cached = tiny_trainer(tmp_path / "b").peak_label
+    t2 = time.perf_counter()
+    assert "measured" in measured and "cached" in cached and measured.split("(")[0] == cached.split("(")[0]
+    assert list(json.loads(peak_cache.read_text())) == [perf.machine_fingerprint("fp32")]
+    assert "Traceback" not in capsys.readouterr().err
+    print(f"start-up: {t1 - t0:.2f} s measuring the peak, {t2 - t1:.2f} s with it cached")
 
 
 def test_mfu_counts_every_device_the_layout_uses(monkeypatch):
