@@ -136,6 +136,13 @@ def run(argv) -> int:
             # weights, say how to start over from init_from.
             raise UsageError(f"{run_dir / 'snapshots'} holds no valid snapshot to resume; move that folder "
                              f"aside to start over from model.init_from")
+        if meta is not None and trainer.step >= trainer.max_steps:
+            # a finished run relaunched: no eval, export, sample or tracker run would be new
+            if env.rank == 0:
+                print(trainer.nothing_left_message(), flush=True)
+            return 0
+        if env.rank == 0 and trainer.schedule_note:
+            print(trainer.schedule_note, flush=True)
 
         # ---- every check has passed: from here on this launch writes into the run folder
         if env.rank == 0:

@@ -151,6 +151,8 @@ class Trainer:
         self.last_val_loss: float | None = None
         self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
         self.stop_request = StopRequest()
+        self.schedule_note: str | None = None  # set by resume() when the LR schedule runs differently
+        self._snapshot_decay: int | None = None  # the cosine length the resumed snapshot was trained with
 
     # ------------------------------------------------------------------ resume state
 
@@ -240,7 +242,50 @@ class Trainer:
             seed_rng(self.cfg.trainer.seed, self.step, self.strategy.dp_rank)
         self.tracker_run_id = meta.get("tracker_run_id")
         self.last_snapshot = path
+        self._note_schedule_change(meta)
         return {**meta, "path": str(path)}
+
+    def _note_schedule_change(self, meta: dict) -> None:
+        """A resume runs the configured schedule from its step on (see resume), so training longer
+        with lr_decay_steps=0 stretches the cosine and the LR jumps at the resume step: say so in
+        one line (`schedule_note`), with the LR the snapshot's own schedule would have continued
+        with. A snapshot without its config (older runs) gets no note."""
+        old = meta.get("config") or {}
+        try:
+            opt = dataclasses.replace(self.cfg.optimizer, **{
+                k: old["optimizer"][k] for k in ("lr", "min_lr", "warmup_steps", "lr_decay_steps")})
+            tr = dataclasses.replace(self.cfg.trainer, **{k: old["trainer"][k] for k in ("max_steps", "max_epochs")})
+        except (KeyError, TypeError):
+            return
+        then = dataclasses.replace(self.cfg, optimizer=opt, trainer=tr)
+        then_steps = total_steps(then, self.data)
+        o = self.cfg.optimizer
+        self._snapshot_decay = decay_then = opt.lr_decay_steps or then_steps
+        decay_now = o.lr_decay_steps or self.max_steps
+        changes = [f"optimizer.{k}={getattr(opt, k)} (now {getattr(o, k)})"
+                   for k in ("lr", "min_lr", "warmup_steps") if getattr(opt, k) != getattr(o, k)]
+        if decay_now != decay_then:
+            why = "optimizer.lr_decay_steps" if o.lr_decay_steps else "trainer.max_steps, as optimizer.lr_decay_steps=0"
+            changes.append(f"the cosine now decays over {decay_now} steps ({why}), not {decay_then}; "
+                           f"optimizer.lr_decay_steps={decay_then} keeps the snapshot's curve")
+        if changes and self.step < self.max_steps:
+            was, now = lr_at(self.step, then, then_steps), lr_at(self.step, self.cfg, self.max_steps)
+            self.schedule_note = (f"note: the LR schedule changes at the resume step: at step {self.step} the "
+                                  f"snapshot's schedule would continue with lr {was:.3e}, now {now:.3e}, because "
+                                  + "; ".join(changes))
+
+    def nothing_left_message(self) -> str:
+        """The one line of a launch that resumed at or past its last step (main exits 0 after it)."""
+        t = self.cfg.trainer
+        end = (f"trainer.max_epochs={t.max_epochs} ({self.max_steps} steps)" if t.max_epochs > 0
+               else f"trainer.max_steps={self.max_steps}")
+        decay = self._snapshot_decay or self.cfg.optimizer.lr_decay_steps or self.max_steps
+        longer = ("a larger trainer.max_epochs" if t.max_epochs > 0
+                  else f"trainer.max_steps=N above {self.step}")
+        return (f"nothing left to train: {self.run_dir} is at step {self.step} and {end} ends there, so "
+                f"nothing was run or written; to train longer relaunch with {longer} and "
+                f"optimizer.lr_decay_steps={decay} to keep this run's LR curve; to start fresh use another "
+                f"trainer.run_dir")
 
     def _refuse_another_run(self, path: Path, meta: dict) -> None:
         """UsageError naming every setting that would make this launch another run than the
