@@ -29,6 +29,10 @@ import torch
 from config import DataConfig, UsageError, redact_url
 
 FALLBACK_CHARS = 2_000_000  # size of the offline fallback corpus
+FALLBACK_SOURCE = "python-stdlib-fallback"  # load_corpus's description of it
+# Where a run on the fallback corpus goes when trainer.run_dir was left at its default, so it never
+# mixes with (or is sampled as) the default Shakespeare run.
+FALLBACK_RUN_DIR = "runs/python_stdlib"
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -108,10 +112,12 @@ def corpus_cache_path(cfg: DataConfig) -> Path:
     return Path(os.path.expanduser(cfg.cache_dir)) / f"{key}-{name}"
 
 
-def load_corpus(cfg: DataConfig, is_local_leader: bool = True, barrier=lambda: None) -> tuple[str, str]:
+def load_corpus(cfg: DataConfig, is_local_leader: bool = True, barrier=lambda: None,
+                fallback_run_dir: str = "") -> tuple[str, str]:
     """Returns (text, description). For a URL, the local leader downloads while the others wait
     at `barrier`, then everyone reads the cached file. The description and every message name
-    the URL with its credentials redacted (config.redact_url)."""
+    the URL with its credentials redacted (config.redact_url). `fallback_run_dir`: the run folder
+    a fallback run goes to, named in the warning."""
     shown = redact_url(cfg.path)
     if not cfg.path.startswith(("http://", "https://")):
         text, source = _read_text(Path(cfg.path).expanduser(), "data file"), shown
@@ -134,10 +140,11 @@ def load_corpus(cfg: DataConfig, is_local_leader: bool = True, barrier=lambda: N
         elif cfg.offline_fallback:
             why = f": {type(error).__name__}" if error else ""
             if is_local_leader:
+                into = f", into {fallback_run_dir}" if fallback_run_dir else ""
                 warnings.warn(f"cannot download {shown}{why}; training on the Python standard "
-                              f"library's source text instead (set data.path to a local file to "
+                              f"library's source text instead{into} (set data.path to a local file to "
                               f"choose the corpus)", stacklevel=2)
-            text, source = fallback_corpus(), "python-stdlib-fallback"
+            text, source = fallback_corpus(), FALLBACK_SOURCE
         else:
             raise UsageError(f"cannot download {shown} and no cached copy exists; put the file "
                              f"at {cached} or set data.path to a local file")

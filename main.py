@@ -42,9 +42,10 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
+def build_trainer(cfg, env, run_dir: Path, announce: bool = False, corpus: tuple[str, str] | None = None):
     """Corpus, tokenizer, model (same seed on every rank), strategy and Trainer for `cfg` on this
-    launch. Shared by main() and the parity tests, so both build runs the same way."""
+    launch. Shared by main() and the parity tests, so both build runs the same way. `corpus`:
+    load_corpus's (text, description) when the caller has loaded it already."""
     import dataclasses as dc
 
     import torch
@@ -58,7 +59,7 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False):
 
     strategy = build_strategy(cfg, env)  # layout errors before any work
     # ---- data: the local leader downloads, everyone reads the same text
-    text, data_source = load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
+    text, data_source = corpus or load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
     stored = load_tokenizer_record(run_dir / "tokenizer.json") if cfg.trainer.resume != "never" else None
     # model.init_from only starts a run: with snapshots to resume from, their weights win.
     resuming = cfg.trainer.resume != "never" and bool(list_snapshots(run_dir / "snapshots"))
@@ -123,10 +124,12 @@ def run(argv) -> int:
     env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
     lock = None
     try:
+        corpus = _fallback_corpus_run_dir(cfg, env)  # may move run_dir: before the lock
+        run_dir = Path(cfg.trainer.run_dir).expanduser()
         lock = lock_run_dir(run_dir, env.rank, env.distributed)  # before anything reads the folder
         if env.rank == 0:
             print(f"config ({args.config} + {len(args.overrides)} overrides):\n{dump_yaml(cfg)}", flush=True)
-        trainer = build_trainer(cfg, env, run_dir)
+        trainer = build_trainer(cfg, env, run_dir, corpus=corpus)
         strategy, data, tok = trainer.strategy, trainer.data, trainer.tokenizer
         gpt_cfg = GPTConfig(**trainer.model_config)
         meta = trainer.resume()
@@ -198,6 +201,34 @@ def run(argv) -> int:
             lock.release()
         shutdown()
     return 0
+
+
+def _fallback_corpus_run_dir(cfg, env) -> tuple[str, str] | None:
+    """With trainer.run_dir at its default and data.path a URL that may fall back to the standard
+    library's text, load the corpus now: a fallback run goes to FALLBACK_RUN_DIR (cfg is changed,
+    so config.yaml and the run-folder lock name the folder really used). Every rank must agree,
+    or some would train on another text: a job whose nodes disagree is refused. Returns the
+    corpus for build_trainer, or None when the run folder cannot move."""
+    import torch.distributed as dist
+
+    from char_dataset import FALLBACK_RUN_DIR, FALLBACK_SOURCE, load_corpus
+    from config import TrainerConfig, UsageError
+    if cfg.trainer.run_dir != TrainerConfig.run_dir or not cfg.data.offline_fallback \
+            or not cfg.data.path.startswith(("http://", "https://")):
+        return None
+    corpus = load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier,
+                         fallback_run_dir=FALLBACK_RUN_DIR)
+    fell_back = [corpus[1] == FALLBACK_SOURCE]
+    if env.distributed:
+        fell_back = [None] * env.world_size
+        dist.all_gather_object(fell_back, corpus[1] == FALLBACK_SOURCE)
+    if any(fell_back) and not all(fell_back):
+        raise UsageError(f"only some nodes could download data.path (ranks {[r for r, f in enumerate(fell_back) if f]} "
+                         f"would train on the fallback text); put the file into data.cache_dir on every "
+                         f"node or set data.path to a local file")
+    if all(fell_back):
+        cfg.trainer.run_dir = FALLBACK_RUN_DIR
+    return corpus
 
 
 def _write_sample(sd, gpt_cfg, tok, cfg, run_dir: Path) -> None:

@@ -1,0 +1,31 @@
+"""The offline fallback corpus trains into its own default run folder (issue 13, item 7).
+
+With data.path an unreachable URL that is not cached, the run trains on the Python standard
+library's text. With trainer.run_dir left at its default, that run goes to runs/python_stdlib
+(named in the warning line), never into runs/shakespeare_char, whose sample prompt "ROMEO:"
+would then print Python code. A run_dir the user set is kept.
+"""
+from __future__ import annotations
+
+import main as app
+from config import TrainerConfig
+from harness import TINY
+from test_data import closed_port
+
+
+def test_offline_fallback_trains_into_its_own_default_run_folder(tmp_path, monkeypatch, recwarn, capsys):
+    monkeypatch.chdir(tmp_path)  # the default run folder is relative: runs/ lands here
+    unreachable = f"http://127.0.0.1:{closed_port()}/tinyshakespeare.txt"
+    args = TINY + ["parallel.strategy=none", "trainer.max_steps=2", "trainer.sample_tokens=0",
+                   f"data.path={unreachable}", f"data.cache_dir={tmp_path / 'cache'}", "data.sha256="]
+    assert TrainerConfig.run_dir == "runs/shakespeare_char"
+    assert app.main(args) == 0
+    warned = [str(w.message) for w in recwarn if "cannot download" in str(w.message)]
+    assert len(warned) == 1 and "runs/python_stdlib" in warned[0], warned
+    assert (tmp_path / "runs" / "python_stdlib" / "model.pt").is_file()
+    assert not (tmp_path / "runs" / "shakespeare_char").exists()
+    assert "python-stdlib-fallback" in capsys.readouterr().out
+    # a run folder the user named is where the run goes, fallback or not
+    assert app.main(args + ["trainer.run_dir=mine"]) == 0
+    assert (tmp_path / "mine" / "model.pt").is_file()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["python_stdlib"]
