@@ -125,9 +125,9 @@ def test_refused_launch_changes_no_file(trained, overrides, words, capsys):
     assert app.main(RUN + ["trainer.max_steps=4", f"trainer.run_dir={trained}", *overrides]) == 2
     assert words in one_error_line(capsys.readouterr().err)
     assert listing(trained) == before
-    # and the original config still resumes
+    # and the original config still resumes (at its last step: nothing left to train)
     assert app.main(RUN + ["trainer.max_steps=2", f"trainer.run_dir={trained}"]) == 0
-    assert "resumed from" in capsys.readouterr().out
+    assert f"nothing left to train: {trained} is at step 2" in capsys.readouterr().out
 
 
 def test_refused_launch_into_a_new_folder_leaves_no_folder(tmp_path, capsys):
