@@ -36,7 +36,8 @@ def test_nothing_left_to_train_says_so_and_changes_nothing(tmp_path, capsys):
     before = listing(run)
     capsys.readouterr()
     for max_steps in (5, 3):  # at the last step, and past it
-        assert train(run, f"trainer.max_steps={max_steps}") == 0
+        # wandb on (offline in tests): an opened run would add a wandb/ folder to the listing
+        assert train(run, f"trainer.max_steps={max_steps}", "wandb.enabled=true") == 0
         out, err = capsys.readouterr()
         lines = [l for l in out.splitlines() if "nothing left to train" in l]
         assert len(lines) == 1, out
