@@ -26,6 +26,9 @@ from config import reject_dashed_overrides
 HERE = Path(__file__).resolve().parent
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what SLURM, Kubernetes, torchrun and a terminal send before a kill
 DEFAULT_CONFIG = HERE / "gpt2_train_cfg.yaml"
+# How long a rank other than 0 waits before reporting an error under torchrun, so rank 0 (which
+# meets the same bad input) reports it first and the agent stops the rest (it polls every 0.1 s).
+RANK0_FIRST_S = 3.0
 
 
 def _one_line_warnings() -> None:
@@ -40,6 +43,8 @@ def parse_args(argv):
         description=__doc__.split("\n\n")[0],
         epilog="Overrides: section.key=value, e.g. trainer.max_steps=200 parallel.strategy=fsdp")
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the whole resolved config at start-up (it is always written to <run_dir>/config.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
     return ap.parse_args(argv)
 
@@ -86,6 +91,22 @@ def build_trainer(cfg, env, run_dir: Path, announce: bool = False, corpus: tuple
     return trainer
 
 
+def startup_view(args, cfg, env, trainer, meta) -> str:
+    """The few lines a launch prints before training (the whole config: --print-config and
+    <run_dir>/config.yaml). Printed only once every check has passed, so bad input shows only
+    its one error line."""
+    strategy, data, tok, t = trainer.strategy, trainer.data, trainer.tokenizer, cfg.trainer
+    start = (f"resumed from {meta['path']} at step {trainer.step}" if meta else "from step 0") + \
+        (f", weights from {trainer.init_from}" if trainer.init_from else "")
+    return (f"config: {args.config} + {' '.join(args.overrides) or 'no overrides'} "
+            f"(resolved in {Path(t.run_dir).expanduser() / 'config.yaml'}; --print-config shows it)\n"
+            f"layout: world {env.world_size} = {strategy.describe()} | device {env.device}\n"
+            f"model: {strategy.num_params:,} parameters | data: {trainer.data_source} | "
+            f"{data.train.numel():,} train / {data.val.numel():,} val tokens | vocab {tok.vocab_size} ({tok.kind})\n"
+            f"run: {trainer.max_steps} steps of {t.batch_size} x {cfg.model.block_size} = "
+            f"{t.batch_size * cfg.model.block_size:,} tokens | {start} | mfu peak {trainer.peak_label}")
+
+
 def train_until_stopped(trainer) -> dict:
     """trainer.train() with SIGTERM and SIGINT recorded instead of killing the process, so a
     preempted job stops at a step boundary with a snapshot (see Trainer.train). The default
@@ -129,10 +150,8 @@ def run(argv) -> int:
         corpus = _fallback_corpus_run_dir(cfg, env)  # may move run_dir: before the lock
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         lock = lock_run_dir(run_dir, env.rank, env.distributed)  # before anything reads the folder
-        if env.rank == 0:
-            print(f"config ({args.config} + {len(args.overrides)} overrides):\n{dump_yaml(cfg)}", flush=True)
         trainer = build_trainer(cfg, env, run_dir, corpus=corpus)
-        strategy, data, tok = trainer.strategy, trainer.data, trainer.tokenizer
+        strategy, tok = trainer.strategy, trainer.tokenizer
         gpt_cfg = GPTConfig(**trainer.model_config)
         meta = trainer.resume()
         if meta is None and cfg.model.init_from and trainer.init_from is None:
@@ -162,15 +181,9 @@ def run(argv) -> int:
         trainer.tracker_run_id = run_id[0]
         if env.rank == 0:
             (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
-            pp, dp, tp = cfg.parallel.pp, strategy.dp_size, cfg.parallel.tp
-            print(f"data: {trainer.data_source} | {data.train.numel():,} train / {data.val.numel():,} val tokens | "
-                  f"vocab {tok.vocab_size} ({tok.kind})\n"
-                  f"model: {strategy.num_params:,} parameters | strategy {strategy.describe()} | "
-                  f"world {env.world_size} = pp {pp} x dp {dp} x tp {tp} | device {env.device} | "
-                  f"mfu peak {trainer.peak_label} | "
-                  f"{trainer.max_steps} steps of {cfg.trainer.batch_size} x {cfg.model.block_size} tokens"
-                  + (f" | resumed from {meta['path']} at step {trainer.step}" if meta else "")
-                  + (f" | weights from {trainer.init_from}" if trainer.init_from else ""), flush=True)
+            if args.print_config:
+                print(dump_yaml(cfg), end="", flush=True)
+            print(startup_view(args, cfg, env, trainer, meta), flush=True)
 
         summary = train_until_stopped(trainer)
         if summary.get("stopped"):
@@ -255,24 +268,71 @@ def _after_training(what: str, fn, fix: str = ""):
         return None
 
 
-def main(argv=None) -> int:
-    _one_line_warnings()
+def error_line(e: BaseException) -> str | None:
+    """The one line a refused launch ends with: bad input (UsageError) or a non-finite loss; None
+    for any other exception (a bug: its traceback is the useful report)."""
     from config import UsageError
     from trainer import NonFiniteError
+    if isinstance(e, UsageError):
+        return f"error: {e}"
+    if isinstance(e, NonFiniteError):
+        kept = (f"the newest snapshot {e.last_snapshot} stays the resume point" if e.last_snapshot
+                else "no snapshot was written, so a relaunch starts from step 0")
+        return (f"error: training stopped: {e.what}; nothing after it was saved and {kept}; lower "
+                f"optimizer.lr or trainer.grad_clip (or use trainer.precision=fp32) and relaunch")
+    return None
+
+
+def _elastic_error_handler():
+    """What `record` writes to this worker's TORCHELASTIC_ERROR_FILE, the file torchrun's failure
+    summary shows (its py_callstack; without a file: "To enable traceback see ..."). For our one-line
+    errors it holds that line instead of a traceback; other exceptions keep torch's traceback.
+
+    Every rank meets the same bad input at about the same time, and torchrun's summary names the
+    failure with the earliest error-file timestamp as root cause and lists every other failed rank
+    with its own message. So a rank other than 0 waits before writing: when rank 0 refused too, the
+    agent stops this rank during the wait (SIGTERM), and the line appears once in the summary (rank
+    0's) and once on stderr (only rank 0 prints it); when only this rank refused, the summary shows
+    its line after the wait."""
+    import json
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    class OneLineErrors(ErrorHandler):
+        def initialize(self) -> None:  # faulthandler: only in a torchrun worker, not in a caller's process
+            if self._get_error_file_path():
+                super().initialize()
+
+        def record_exception(self, e: BaseException) -> None:
+            line, path = error_line(e), self._get_error_file_path()
+            if line is None:
+                return super().record_exception(e)
+            if not path:  # not a torchrun worker: nothing reads an error file
+                return None
+            if int(os.environ.get("RANK", "0")) != 0:
+                time.sleep(RANK0_FIRST_S)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": {"message": line, "extraInfo": {
+                    "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+
+    return OneLineErrors()
+
+
+def main(argv=None) -> int:
+    _one_line_warnings()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from config import UsageError
     try:
-        return run(sys.argv[1:] if argv is None else argv)
-    except UsageError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except NonFiniteError as e:
-        if os.environ.get("RANK", "0") == "0":
-            kept = (f"the newest snapshot {e.last_snapshot} stays the resume point" if e.last_snapshot
-                    else "no snapshot was written, so a relaunch starts from step 0")
-            print(f"error: training stopped: {e.what}; nothing after it was saved and {kept}; lower "
-                  f"optimizer.lr or trainer.grad_clip (or use trainer.precision=fp32) and relaunch",
-                  file=sys.stderr, flush=True)
-        return 1
+        return record(run, error_handler=_elastic_error_handler())(sys.argv[1:] if argv is None else argv)
+    except Exception as e:
+        line = error_line(e)
+        if line is None:
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:  # one line per job: every rank meets the same input
+            print(line, file=sys.stderr, flush=True)
+        return 2 if isinstance(e, UsageError) else 1
 
 
 if __name__ == "__main__":

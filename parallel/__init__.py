@@ -131,8 +131,29 @@ class Strategy:
         return self.env.rank == self.tracker_rank
 
     def describe(self) -> str:
-        """One phrase for the start-up line, e.g. 'ddp (bucket 25 MB)'."""
-        return self.name
+        """The layout for the start-up line, each mesh dimension with what runs on it, e.g.
+        'pp 2 (1f1b, 4 micro-batches) x dp 2 (ddp, ...) x tp 2 (megatron ...)'. parallel.strategy
+        acts on the dp dimension only, so a dp of 1 does not name it: a tp=2 run is not 'ddp'."""
+        p = self.cfg.parallel
+        if self.env.world_size == 1 and p.pp == 1 and p.tp == 1:  # one process: its strategy is the layout
+            return self.describe_dp()
+        pp = "pp 1"
+        if p.pp > 1:
+            from parallel.pp import pipeline_microbatches
+            per_rank = f", {p.pp_stages_per_rank} stages per rank" if p.pp_stages_per_rank > 1 else ""
+            pp = (f"pp {p.pp} ({p.pp_schedule}, {pipeline_microbatches(self.cfg, self.per_rank_batch)} "
+                  f"micro-batches{per_rank})")
+        dp = f"dp {self.dp_size} ({self.describe_dp()})" if self.dp_size > 1 else "dp 1"
+        tp = "tp 1"
+        if p.tp > 1:
+            extras = (", vocab-parallel embedding + loss" if p.tp_vocab_parallel else "") + \
+                     (", sequence parallel" if p.sequence_parallel else "")
+            tp = f"tp {p.tp} (megatron column/row split of every block{extras})"
+        return f"{pp} x {dp} x {tp}"
+
+    def describe_dp(self) -> str:
+        """One phrase for what parallel.strategy does on the dp dimension, e.g. 'ddp (bucket 25 MB)'."""
+        return "none (one process, no parallelism)" if self.env.world_size == 1 else self.name
 
     @property
     def num_devices(self) -> int:

@@ -27,7 +27,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
     takes_tensor_parallel_params = False  # DDP broadcasts/reduces plain tensors only (measured)
 
-    def describe(self) -> str:
+    def describe_dp(self) -> str:
         p = self.cfg.parallel
         if self.dp_size == 1:
             return "ddp (one data-parallel rank: no gradient all-reduce)"

@@ -42,7 +42,7 @@ class DataParallelStrategy(Strategy):
         ids = self.gpu_ids
         return len(ids) if len(ids) >= 2 else 1
 
-    def describe(self) -> str:
+    def describe_dp(self) -> str:
         ids = self.gpu_ids
         if len(ids) < 2:
             return f"dp (one device, {self.device}: plain one-process training)"

@@ -60,7 +60,7 @@ class FSDPStrategy(Strategy):
         # Pinned host memory needs an accelerator; on a CPU-only machine pinning raises.
         return CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
 
-    def describe(self) -> str:
+    def describe_dp(self) -> str:
         if self.dp_size == 1:
             return f"{self.name} (one data-parallel rank: nothing to shard)"
         p = self.cfg.parallel

@@ -145,7 +145,7 @@ class _ElementShardedZero(ZeroStrategy):
     def dp_group(self):
         return self.mesh["dp"].get_group() if self.dp_size > 1 else None
 
-    def describe(self) -> str:
+    def describe_dp(self) -> str:
         sharded = "optimizer state" if self.stage == 1 else "optimizer state + gradients"
         return (f"zero-{self.stage} ({sharded} sharded by element over {self.dp_size} ranks, "
                 f"bucket {self.cfg.parallel.bucket_cap_mb:g} MB)")
@@ -381,7 +381,7 @@ class Zero3Strategy(FSDPStrategy, ZeroStrategy):
     def reshard_after_forward(self) -> bool:
         return True
 
-    def describe(self) -> str:
+    def describe_dp(self) -> str:
         if self.dp_size == 1:
             return "zero-3 (one data-parallel rank: nothing to shard)"
         return "zero-3 (FSDP2 fully_shard per block + root, parameters resharded after forward)"

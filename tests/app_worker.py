@@ -5,6 +5,7 @@ here; init_distributed reuses the live group). Rank 0 writes each run's exit cod
 OUT/exit_codes.json."""
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,9 @@ def main() -> None:
     ap.add_argument("--app", action="append", required=True, help="space-separated overrides")
     args = ap.parse_args()
     parallel.mesh.shutdown = lambda: None  # one process group for all runs of this launch
+    # a refused run here is followed by the next one, not by the worker's exit: no error file for
+    # torchrun's summary (main's handler would also make ranks > 0 wait for rank 0 to exit first)
+    os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
     codes = []
     for overrides in args.app:
         codes.append(app.main(overrides.split()))
