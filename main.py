@@ -3,11 +3,13 @@
 
 Owns the order of start-up: config -> process group -> run folder lock -> corpus and tokenizer
 -> model (same seed on every rank) -> strategy (parallel layout) -> Trainer -> resume -> writes
-(tokenizer.json, tracker, config.yaml) -> train -> model.pt + sample. (With trainer.run_dir at its
-default and a URL corpus, the corpus comes before the lock: the offline fallback text trains into
-its own folder. A resume with nothing left to train ends after the resume, writing nothing.) Bad input anywhere surfaces
-as `UsageError`: one line on stderr and exit code 2. Nothing in the run folder is written before
-every check (resume's included) has passed, so a refused launch leaves the folder as it was.
+(tokenizer.json, tracker, config.yaml) -> start-up view -> train -> model.pt + sample. (With
+trainer.run_dir at its default and a URL corpus, the corpus comes before the lock: the offline
+fallback text trains into its own folder. A resume with nothing left to train ends after the
+resume, writing nothing.) Bad input anywhere surfaces as `UsageError`: one line on stderr (rank
+0's, the only thing printed; under torchrun also its failure summary, via the elastic error file)
+and exit code 2. Nothing in the run folder is written before every check (resume's included) has
+passed, so a refused launch leaves the folder as it was.
 SIGTERM/SIGINT during training: every rank stops at one step, saves it, one line, exit
 (`train_until_stopped`, `stop_exit_code`). A non-finite loss or weight: one line, exit 1.
 """
