@@ -23,7 +23,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from config import reject_dashed_overrides
+from config import redact_url, reject_dashed_overrides
 
 HERE = Path(__file__).resolve().parent
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what SLURM, Kubernetes, torchrun and a terminal send before a kill
@@ -100,7 +100,7 @@ def startup_view(args, cfg, env, trainer, meta) -> str:
     strategy, data, tok, t = trainer.strategy, trainer.data, trainer.tokenizer, cfg.trainer
     start = (f"resumed from {meta['path']} at step {trainer.step}" if meta else "from step 0") + \
         (f", weights from {trainer.init_from}" if trainer.init_from else "")
-    return (f"config: {args.config} + {' '.join(args.overrides) or 'no overrides'} "
+    return (f"config: {args.config} + {redact_url(' '.join(args.overrides)) or 'no overrides'} "
             f"(resolved in {Path(t.run_dir).expanduser() / 'config.yaml'}; --print-config shows it)\n"
             f"layout: world {env.world_size} = {strategy.describe()} | device {env.device}\n"
             f"model: {strategy.num_params:,} parameters | data: {trainer.data_source} | "
@@ -167,8 +167,6 @@ def run(argv) -> int:
             if env.rank == 0:
                 print(trainer.nothing_left_message(), flush=True)
             return 0
-        if env.rank == 0 and trainer.schedule_note:
-            print(trainer.schedule_note, flush=True)
 
         # ---- every check has passed: from here on this launch writes into the run folder
         if env.rank == 0:
@@ -186,6 +184,8 @@ def run(argv) -> int:
             if args.print_config:
                 print(dump_yaml(cfg), end="", flush=True)
             print(startup_view(args, cfg, env, trainer, meta), flush=True)
+            if trainer.schedule_note:  # a resume whose LR schedule changed: says how, after the view
+                print(trainer.schedule_note, flush=True)
 
         summary = train_until_stopped(trainer)
         if summary.get("stopped"):
@@ -260,7 +260,6 @@ def _write_sample(sd, gpt_cfg, tok, cfg, run_dir: Path) -> None:
 
 def _after_training(what: str, fn, fix: str = ""):
     """fn() for an output of a finished run; a failure is one warning line and returns None."""
-    from config import redact_url
     try:
         return fn()
     except Exception as e:  # the run is complete: nothing here may turn it into a failed one
@@ -327,7 +326,8 @@ def main(argv=None) -> int:
 
     from config import UsageError
     try:
-        return record(run, error_handler=_elastic_error_handler())(sys.argv[1:] if argv is None else argv)
+        code = record(run, error_handler=_elastic_error_handler())(sys.argv[1:] if argv is None else argv)
+        return 0 if code is None else code  # record() turns argparse's SystemExit(0) (--help) into None
     except Exception as e:
         line = error_line(e)
         if line is None:

@@ -16,6 +16,7 @@ trainer.peak_flops peak, never re-measured), a warning names the peak and MFU is
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -133,7 +134,8 @@ def _write_peak_cache(path: Path, key: str, flops: float) -> None:
         tmp.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. a folder this user may not even look into
+            tmp.unlink(missing_ok=True)
 
 
 def measure_cpu_peak(precision: str, rounds: int = 3, min_seconds: float = 0.1) -> float:
