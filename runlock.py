@@ -7,8 +7,11 @@ job never leaves a stale lock and the workers that torchrun restarts take it aga
 belongs to the job, not to a node: global rank 0 takes it and broadcasts the verdict, so all
 ranks of every node go on or refuse together.
 
-The lock file stays in the folder (it is empty and never rewritten): deleting it on exit would let
-a launch that opened the old file and a launch that created a new one both hold "the" lock.
+The lock file stays in the folder (it is empty and never rewritten), except that a launch which
+created the folder and was refused removes it again (file and folder) so it leaves no trace. A
+launch that opened the file just before that removal would then lock a deleted file, so after
+`flock` succeeds the lock is checked to still be the file at the path (same inode); if not, the
+launch starts over.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class RunLock:
         self._fd: int | None = None
         self._created: list[Path] = []  # folders this launch made, deepest first
 
-    def acquire(self) -> None:
+    def acquire(self, attempt: int = 1) -> None:
         """Create the run folder if needed and lock it; a UsageError when that is impossible or
         another launch holds the lock."""
         run_dir = self.run_dir
@@ -58,6 +61,13 @@ class RunLock:
                              f"{where}); point it at a folder this user can create and write") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not self._locks_the_current_file():
+                # a refused launch that created the folder removed it (and this file) meanwhile
+                os.close(self._fd)
+                self._fd = None
+                if attempt < 3:
+                    return self.acquire(attempt + 1)
+                raise BlockingIOError
         except BlockingIOError:
             self.release()
             raise UsageError(f"trainer.run_dir '{run_dir}' is in use by another launch (it holds the "
@@ -67,6 +77,12 @@ class RunLock:
             self.release()
             raise UsageError(f"cannot lock {self.path} ({e.strerror or e}); point trainer.run_dir at a "
                              f"folder on a filesystem with file locks (Lustre: mount with -o flock)") from None
+
+    def _locks_the_current_file(self) -> bool:
+        try:
+            return os.fstat(self._fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
 
     def release(self) -> None:
         """Unlock. A folder that this launch created and left holding nothing but the lock file is

@@ -6,6 +6,7 @@ Launches: one `python main.py` (the running launch that a second one runs into) 
 tests/app_worker.py (the refusal of a whole job); everything else runs in this process."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -26,7 +27,7 @@ import char_dataset  # noqa: F401
 import main as app
 import model  # noqa: F401
 import parallel.mesh  # noqa: F401
-import runlock  # noqa: F401
+import runlock
 import sample  # noqa: F401
 import tracking  # noqa: F401
 import trainer  # noqa: F401
@@ -211,3 +212,27 @@ def test_unreadable_cache_dir_is_one_line_and_ignored_for_a_local_corpus():
         assert (base / "local" / "snapshots" / "step_0000002").is_dir()
     finally:
         shutil.rmtree(base)
+
+
+def test_a_lock_file_removed_while_waiting_is_not_trusted(tmp_path, monkeypatch):
+    """A refused launch that created the folder removes it again (lock file included). A launch that
+    opened the file just before and locks it afterwards would hold a lock on a deleted file; the
+    interleaving is forced here: the first launch's removal runs between the second's open and flock."""
+    run_dir = tmp_path / "new" / "run"
+    first = runlock.RunLock(run_dir)
+    first.acquire()  # created the folders; about to be refused and to remove them
+    real_flock = fcntl.flock
+    calls = []
+
+    def flock_after_the_removal(fd, op):
+        if not calls:
+            first.release()  # the removal: file and folders are gone, fd still open in `second`
+        calls.append(op)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(runlock.fcntl, "flock", flock_after_the_removal)
+    second = runlock.RunLock(run_dir)
+    second.acquire()
+    assert len(calls) == 2  # the first lock was on a deleted file: it started over
+    assert os.fstat(second._fd).st_ino == os.stat(run_dir / runlock.LOCK_FILE).st_ino
+    second.release()
