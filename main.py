@@ -199,10 +199,15 @@ def run(argv) -> int:
         # here (its final snapshot is written), so a failure from now on is one warning and never
         # an exit code, and every rank still reaches the barrier (a rank that left would strand
         # the others in it).
-        sd = _after_training("writing model.pt", lambda: trainer.export(run_dir / "model.pt"),
-                             f"; python export.py --run-dir {run_dir} writes it from the final snapshot")
-        if env.rank == 0 and cfg.trainer.sample_tokens and sd is not None:
-            _after_training("the sample", lambda: _write_sample(sd, gpt_cfg, tok, cfg, run_dir))
+        # The gather is a collective that every rank enters, so it is not guarded: a rank that
+        # failed inside it and went on would leave the others waiting in it; only rank 0's file
+        # writes are.
+        sd = strategy.full_model_state_dict()
+        if env.rank == 0:
+            _after_training("writing model.pt", lambda: trainer.write_model(run_dir / "model.pt", sd),
+                            f"; python export.py --run-dir {run_dir} writes it from the final snapshot")
+            if cfg.trainer.sample_tokens:
+                _after_training("the sample", lambda: _write_sample(sd, gpt_cfg, tok, cfg, run_dir))
         env.barrier()
         if strategy.is_tracker:
             sample_path = run_dir / "sample.txt"

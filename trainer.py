@@ -225,7 +225,7 @@ class Trainer:
         if meta.get("mesh") != self.layout() or meta.get("world_size") != self.strategy.env.world_size \
                 or not all(f"rng.{k}" in stored for k in tensors["rng"]):
             tensors.pop("rng")
-        self.snapshots.load(path, tensors)
+        self.snapshots.load(path, tensors, meta)  # meta: the record rank 0 validated and broadcast
         self.strategy.load_state_dict(tensors, self.optimizer)
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
@@ -495,14 +495,17 @@ class Trainer:
     # ------------------------------------------------------------------ outputs
 
     def export(self, path: Path) -> dict | None:
-        """Collective. Writes the consolidated model.pt (plain tensors + configs + tokenizer,
-        loadable with torch.load(weights_only=True)) on rank 0 and returns its state dict there."""
+        """Collective. Writes the consolidated model.pt on rank 0 and returns its state dict there."""
         sd = self.strategy.full_model_state_dict()
-        if self.strategy.env.rank != 0:
-            return None
+        if self.strategy.env.rank == 0:
+            self.write_model(path, sd)
+        return sd
+
+    def write_model(self, path: Path, sd: dict) -> None:
+        """model.pt: plain tensors + configs + tokenizer, loadable with torch.load(weights_only=True);
+        written to a temporary name and renamed, so a reader never sees half a file."""
         payload = {"model": sd, "model_config": self.model_config, "config": self.cfg.to_dict(),
                    "tokenizer": self.tokenizer.to_dict(), "step": self.step}
         tmp = path.with_name(path.name + ".tmp")
         torch.save(payload, tmp)
         tmp.replace(path)
-        return sd
