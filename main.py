@@ -51,7 +51,7 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def build_trainer(cfg, env, run_dir: Path, announce: bool = False, corpus: tuple[str, str] | None = None):
+def build_trainer(cfg, env, run_dir: Path, corpus: tuple[str, str] | None = None):
     """Corpus, tokenizer, model (same seed on every rank), strategy and Trainer for `cfg` on this
     launch. Shared by main() and the parity tests, so both build runs the same way. `corpus`:
     load_corpus's (text, description) when the caller has loaded it already."""
@@ -144,7 +144,6 @@ def run(argv) -> int:
 
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    run_dir = Path(cfg.trainer.run_dir).expanduser()
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
     env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
     lock = None
@@ -196,12 +195,9 @@ def run(argv) -> int:
             return stop_exit_code(summary["stopped"], env.distributed)
 
         # ---- outputs: consolidated weights, a short sample, the wandb summary. The run is complete
-        # here (its final snapshot is written), so a failure from now on is one warning and never
-        # an exit code, and every rank still reaches the barrier (a rank that left would strand
-        # the others in it).
-        # The gather is a collective that every rank enters, so it is not guarded: a rank that
-        # failed inside it and went on would leave the others waiting in it; only rank 0's file
-        # writes are.
+        # here (its final snapshot is written), so a failure in rank 0's file writes is one warning,
+        # never an exit code. The gather is a collective every rank enters, so it is not guarded: a
+        # rank that failed inside it and went on would strand the others in it.
         sd = strategy.full_model_state_dict()
         if env.rank == 0:
             _after_training("writing model.pt", lambda: trainer.write_model(run_dir / "model.pt", sd),
