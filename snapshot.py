@@ -5,7 +5,7 @@ Layout of `<run_dir>/snapshots/`:
     step_000500/            one complete snapshot (visible only once it is complete)
         .metadata           DCP's index of every tensor shard
         __<rank>_0.distcp   DCP data files, one or more per rank
-        meta.json           step, config + fingerprint, tokenizer, scheduler, scaler, tracker id,
+        meta.json           step, config + fingerprint, tokenizer, data position, scaler, tracker id,
                             world size, strategy, the optimizer's param groups (nontensor_state),
                             and the size + sha256 of every file above
     .tmp-step_000600/       a snapshot being written (ignored and cleaned up)

@@ -8,7 +8,7 @@ over data-parallel ranks and micro-batches. One optimizer step is:
     scaler.unscale_(opt); norm = strategy.clip_grad_norm_(clip); scaler.step(opt); scaler.update()
     scheduler.step()
 
-Resume state (`state_tensors` + `state_meta`): model, optimizer, LR scheduler, grad scaler, step
+Resume state (`state_tensors` + `state_meta`): model, optimizer, grad scaler, step
 (which is also the data position: batches are a pure function of (seed, step)), RNG states, and
 the run tracker's id. Snapshot files themselves are `snapshot.py`'s business. A resume refuses
 another data stream or model shape (`_refuse_another_run`), runs the configured optimizer
@@ -182,7 +182,6 @@ class Trainer:
         return {
             "step": self.step,
             "data_position": {"step": self.step, **self.data_stream()},
-            "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "tracker_run_id": self.tracker_run_id,
             "fingerprint": self.cfg.model_fingerprint(),
@@ -230,9 +229,9 @@ class Trainer:
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
         self.step = int(meta["step"])
-        # The snapshot's param groups carry the lr, betas and weight decay it was trained with, and
-        # its scheduler the old base lr. Put back the configured ones and rebuild the schedule at
-        # this step (it is a pure function of the step), so what runs is what config.yaml says.
+        # The snapshot's param groups carry the lr, betas and weight decay it was trained with. Put
+        # back the configured ones and rebuild the schedule at this step (it is a pure function of
+        # the step), so what runs is what config.yaml says.
         for group, mine in zip(self.optimizer.param_groups, configured):
             group.update(mine)
         self.scheduler = LambdaLR(self.optimizer, self._lr_factor, last_epoch=self.step - 1)
