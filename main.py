@@ -138,7 +138,7 @@ def run(argv) -> int:
     from char_dataset import save_tokenizer
     from config import UsageError, dump_yaml, load_config
     from model import GPTConfig
-    from parallel.mesh import init_distributed, shutdown
+    from parallel.env import init_distributed, shutdown
     from runlock import lock_run_dir
     from tracking import RunTracker
 

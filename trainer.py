@@ -29,8 +29,9 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from char_dataset import Batching, CharDataset
 from config import Config, UsageError
-from parallel import Strategy, local_tensor
-from parallel.mesh import control_group
+from parallel import Strategy
+from parallel.dtensor import local_tensor
+from parallel.env import control_group
 from perf import Peak, set_fp32_matmul_mode
 from snapshot import SnapshotManager, _fault_point, rng_state, set_rng_state
 from tracking import NullTracker, Progress

@@ -45,7 +45,7 @@ def worker(overrides: list[str]) -> None:
 
     from config import load_config
     from main import DEFAULT_CONFIG, build_trainer
-    from parallel.mesh import init_distributed
+    from parallel.env import init_distributed
 
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="mem-bench-"))
@@ -95,7 +95,7 @@ def zero_redundancy_row(cfg, env, vocab_size: int):
     from torch.nn.parallel import DistributedDataParallel
 
     from model import GPT, GPTConfig, lm_loss
-    from parallel import Strategy
+    from parallel.strategy import resident_bytes
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=vocab_size, **{k: v for k, v in dataclasses.asdict(cfg.model).items()
@@ -106,9 +106,7 @@ def zero_redundancy_row(cfg, env, vocab_size: int):
     for _ in range(2):
         lm_loss(ddp(x), x).backward()
         opt.step()
-    probe = Strategy.__new__(Strategy)  # only for its resident_bytes() reader
-    probe.model_parts = [model]
-    mine = probe.resident_bytes(opt.optim)  # the local optimizer holds this rank's partition
+    mine = resident_bytes([model], opt.optim)  # the local optimizer holds this rank's partition
     every = [None] * env.world_size
     dist.all_gather_object(every, mine)
     return ("ZeroRedundancyOptimizer (torch, not used)", "optimizer state, whole tensors", "4a + 4a + 8a/n",

@@ -71,12 +71,12 @@ def measure(overrides: list[str], steps: int, warmup: int, run_dir: Path) -> dic
 
     from config import load_config
     from main import build_trainer
-    from parallel.mesh import init_distributed
+    from parallel.env import init_distributed
 
     cfg = load_config(None, overrides + [f"trainer.run_dir={run_dir}"])
     env = init_distributed(cfg)
     trainer = build_trainer(cfg, env, run_dir)
-    pipe = trainer.strategy.pipeline
+    pipe = trainer.strategy.runner  # parallel.pp.Pipeline
     busy, step_time = [0.0], [0.0]
     for stage in pipe.stages:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

@@ -6,26 +6,43 @@ makes the gradients views into the buckets). Backward hooks all-reduce gradients
 (`bucket_cap_mb`, in reverse parameter order, overlapping with the rest of backward); a ring
 all-reduce moves 2K(N-1)/N bytes per rank for K bytes of gradients.
 
-Gradient accumulation: all micro-batches but the last run under `no_sync()`, so gradients
-accumulate locally and are all-reduced once per optimizer step.
+Gradient accumulation: all micro-batches but the last run under `no_sync()` (parallel/step.py
+`gradient_sync`), so gradients accumulate locally and are all-reduced once per optimizer step.
+DDP takes plain tensors only: with tp > 1 and dp > 1 the layout check refuses it (use fsdp). A
+DDP bug (pytorch#143580) makes static_graph and gradient accumulation exclusive: refused there too.
 
 With a single process (plain `python main.py`) there is nothing to synchronise: the model is
 left unwrapped, which is exactly what DDP with world size 1 would compute.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from config import UsageError
-from parallel import Strategy
+from config import Config
+from parallel.env import DistEnv
+from parallel.layout import Layout
+from parallel.strategy import Strategy
+
+
+def wrap_ddp(module: nn.Module, cfg: Config, layout: Layout, mesh: DeviceMesh | None, env: DistEnv) -> nn.Module:
+    """`module` under DDP on mesh["dp"] (itself with one dp rank). Also ZeRO-1's engine."""
+    if not layout.dp_enabled:
+        return module
+    p = cfg.parallel
+    return DistributedDataParallel(
+        module,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        process_group=mesh["dp"].get_group(),
+        bucket_cap_mb=p.bucket_cap_mb,
+        gradient_as_bucket_view=p.gradient_as_bucket_view,
+        static_graph=p.static_graph,
+    )
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
-    takes_tensor_parallel_params = False  # DDP broadcasts/reduces plain tensors only (measured)
 
     def describe_dp(self) -> str:
         p = self.cfg.parallel
@@ -35,30 +52,5 @@ class DDPStrategy(Strategy):
                 f"{'on' if p.gradient_as_bucket_view else 'off'}"
                 f"{', static graph' if p.static_graph else ''})")
 
-    def validate_layout(self) -> None:
-        super().validate_layout()
-        if self.cfg.parallel.static_graph and self.grad_accum_steps > 1:
-            # torch DDP bug (pytorch#143580, fix pending in #187732): static_graph with no_sync()
-            # asserts in the reducer on the first backward, and once past that stops reducing.
-            raise UsageError(f"parallel.static_graph=true cannot be combined with gradient accumulation "
-                             f"({self.grad_accum_steps} micro-batches per step; DDP bug pytorch#143580); "
-                             f"set trainer.micro_batch_size=0 or parallel.static_graph=false")
-
-    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        if self.dp_size == 1:
-            return model
-        p = self.cfg.parallel
-        self._ddp = DistributedDataParallel(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            process_group=self.mesh["dp"].get_group(),
-            bucket_cap_mb=p.bucket_cap_mb,
-            gradient_as_bucket_view=p.gradient_as_bucket_view,
-            static_graph=p.static_graph,
-        )
-        return self._ddp
-
-    def no_sync(self, skip_sync: bool):
-        if skip_sync and self.dp_size > 1:
-            return self._ddp.no_sync()
-        return contextlib.nullcontext()
+    def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
+        return wrap_ddp(module, self.cfg, self.layout, self.mesh, self.env)

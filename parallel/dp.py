@@ -6,7 +6,8 @@ loss is computed; backward sums the replicas' gradients into the first GPU's par
 on the first GPU is that of plain training plus the gathered outputs; the replicas are rebuilt on
 every forward (which is why DDP, one process per GPU, is faster).
 
-It is a single-process strategy: under torchrun with more than one process it refuses (use ddp).
+It is a single-process strategy: under torchrun with more than one process the layout check
+refuses it (use ddp).
 With fewer than two GPUs it runs as plain one-process training and says so once. The Trainer
 only sees the inner module through `unwrapped()`, so snapshots and model.pt use the GPT's own
 parameter names ("blocks.0.attn.q_proj.weight", not "module.blocks...").
@@ -18,19 +19,11 @@ import warnings
 import torch
 import torch.nn as nn
 
-from config import UsageError
-from parallel import Strategy
+from parallel.strategy import Strategy
 
 
 class DataParallelStrategy(Strategy):
     name = "dp"
-
-    def validate_layout(self) -> None:
-        if self.env.world_size > 1:
-            raise UsageError(f"parallel.strategy=dp drives all GPUs from ONE process but this launch has "
-                             f"{self.env.world_size} processes; run `python main.py parallel.strategy=dp` "
-                             f"or use parallel.strategy=ddp under torchrun")
-        super().validate_layout()
 
     @property
     def gpu_ids(self) -> list[int]:

@@ -16,28 +16,25 @@ Options (all `parallel.`):
 - cpu_offload: CPUOffloadPolicy, sharded parameters/gradients/optimizer state live in CPU memory
   (pin_memory only with an accelerator: pinning needs one).
 
-Gradient accumulation: non-final micro-batches run with `set_requires_gradient_sync(False)`, so
-gradients accumulate unsharded locally and are reduce-scattered once per optimizer step.
+Gradient accumulation: non-final micro-batches run with `set_requires_gradient_sync(False)`
+(parallel/step.py `gradient_sync`), so gradients accumulate unsharded locally and are
+reduce-scattered once per optimizer step.
 With tp > 1 the parameters arriving here are already DTensors on the tp mesh: sharding them over
 the dp sub-mesh is FSDP2's documented 2-D composition. With one dp rank there is nothing to shard
 and the module is left as it is.
 """
 from __future__ import annotations
 
-import contextlib
-
-import torch
 import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from parallel import DTYPES, Strategy
+from parallel.step import DTYPES
+from parallel.strategy import Strategy
 
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-
-    def __init__(self, *args, **kwargs):
-        self._fsdp_roots: list[nn.Module] = []  # one per wrapped module (one per pipeline stage)
-        super().__init__(*args, **kwargs)
+    grads_sharded = True
 
     # ------------------------------------------------------------------ options
 
@@ -45,16 +42,14 @@ class FSDPStrategy(Strategy):
     def reshard_after_forward(self) -> bool:
         return self.cfg.parallel.reshard_after_forward
 
-    def mp_policy(self):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+    def mp_policy(self) -> MixedPrecisionPolicy:
         p = self.cfg.parallel
         param_dtype = DTYPES[p.mixed_precision] if p.mixed_precision != "none" else None
         # reduce_dtype=None would reduce in param_dtype; fp32 reduction is the safe default.
         reduce_dtype = DTYPES[p.reduce_dtype] if (param_dtype is not None or p.reduce_dtype != "fp32") else None
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
-    def offload_policy(self):
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    def offload_policy(self) -> OffloadPolicy:
         if not self.cfg.parallel.cpu_offload:
             return OffloadPolicy()
         # Pinned host memory needs an accelerator; on a CPU-only machine pinning raises.
@@ -76,41 +71,15 @@ class FSDPStrategy(Strategy):
         module itself for what is left (embeddings, ln_f, head)."""
         if self.dp_size == 1:
             return module
-        from torch.distributed.fsdp import fully_shard
         kwargs = dict(mesh=self.mesh["dp"], reshard_after_forward=self.reshard_after_forward,
                       mp_policy=self.mp_policy(), offload_policy=self.offload_policy())
-        blocks = getattr(module, "blocks", None)
-        for block in (blocks.values() if blocks is not None else ()):
+        for block in module.blocks.values():
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
-        self._fsdp_roots.append(module)
         return module
-
-    def no_sync(self, skip_sync: bool):
-        # FSDP2 has no no_sync() context: the flag is set before each micro-batch's backward.
-        for root in self._fsdp_roots:
-            root.set_requires_gradient_sync(not skip_sync)
-        return contextlib.nullcontext()
-
-    def make_grad_scaler(self):
-        """fp16 loss scaling whose inf/nan check is all-reduced over the dp group, so every rank
-        skips the same steps (each rank only sees its own gradient shard)."""
-        p = self.cfg.parallel
-        if self.cfg.trainer.precision != "fp16" and p.mixed_precision != "fp16":
-            return None
-        if p.tp > 1 or p.pp > 1:  # gradients also split over tp/pp ranks: agree over the world
-            import torch.distributed as dist
-
-            from parallel.scaler import DistributedGradScaler
-            scaler = DistributedGradScaler(self.device.type, process_group=dist.group.WORLD)
-            scaler.scale(torch.zeros((), device=self.device))  # pipeline ranks without a loss need the scale too
-            return scaler
-        if self.dp_size == 1:
-            return torch.amp.GradScaler(self.device.type)
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        return ShardedGradScaler(self.device.type, process_group=self.mesh["dp"].get_group())
 
     # clip_grad_norm_, full_grad_dict, state_dict/load_state_dict, full_model_state_dict and
     # resident_bytes come from the base class: they already handle DTensor parameters and
     # gradients (norm and full_tensor() reduce over the mesh, DCP's get_state_dict gives
-    # plain-FQN DTensor state, resident bytes read each DTensor's local shard).
+    # plain-FQN DTensor state, resident bytes read each DTensor's local shard). fp16: the grad
+    # scaler agrees on inf/nan over the dp group (grads_sharded, parallel/scaler.py).

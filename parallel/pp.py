@@ -1,8 +1,9 @@
 """Pipeline parallelism (parallel.pp): stage split, schedules, tied weights, loss on the last stage.
 
-Owns `Pipeline`, which the base Strategy delegates to when pp > 1, and the layout rules that can
-be checked before any process group exists (`stage_block_counts`, `stage_to_pp_rank`,
-`pipeline_microbatches`, `last_stage_pp_rank`).
+Owns `split_stages` (this rank's stage modules) and `Pipeline`, the StepRunner (parallel/step.py)
+that `parallelize` returns when pp > 1. The stage split, the placement of stages on pp ranks and
+the number of micro-batches are the layout's (parallel/layout.py), checked before any process
+group exists.
 
 Split. The model's blocks are cut into S = pp * pp_stages_per_rank stages (even split, or
 `parallel.pp_split="3,1"`). Each stage is a deep copy of the whole GPT with everything it does
@@ -26,7 +27,7 @@ of the batch (B / dp sequences), cut into M = parallel.microbatches pipeline mic
 the schedule is scale_loss(mean_loss_of_microbatch / M): gradients are then the gradients of the
 mean loss over the rank's share (the single-process definition), the fp16 GradScaler scale
 reaches every micro-batch's backward, and the schedule's own division by M is off
-(scale_grads=False) so nothing is scaled twice (trap 8: V-shape schedules hold two stages whose
+(scale_grads=False) so nothing is scaled twice (V-shape schedules hold two stages whose
 parameters a per-stage division would hit separately).
 
 Tied embedding / LM head. The first stage's tok_emb.weight and the last stage's lm_head.weight
@@ -45,11 +46,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -58,68 +60,17 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
 
-from config import Config, UsageError
-from model import GPT
-from parallel import local_tensor
-
-# ----------------------------------------------------------------------------- layout rules
-
-
-def num_stages(cfg: Config) -> int:
-    return cfg.parallel.pp * cfg.parallel.pp_stages_per_rank
+from config import Config
+from model import GPT, lm_loss
+from parallel.dtensor import grad_like_param, local_tensor
+from parallel.layout import Layout
+from parallel.step import StepRunner, autocast, loss_context
 
 
-def stage_block_counts(cfg: Config) -> list[int]:
-    """Blocks per stage: parallel.pp_split, or an even split (config.validate checked both)."""
-    p, s = cfg.parallel, num_stages(cfg)
-    if p.pp_split:
-        return [int(v) for v in p.pp_split.split(",")]
-    return [cfg.model.n_layer // s] * s
-
-
-def is_v_shape(cfg: Config) -> bool:
-    """ZB-V: two stages per rank placed on a V (rank r holds stages r and S-1-r)."""
-    p = cfg.parallel
-    return p.pp_schedule == "zero_bubble" and p.pp_stages_per_rank == 2
-
-
-def stage_to_pp_rank(cfg: Config) -> dict[int, int]:
-    return generate_stage_to_rank_mapping(cfg.parallel.pp, num_stages(cfg),
-                                          style="v" if is_v_shape(cfg) else "loop")
-
-
-def last_stage_pp_rank(cfg: Config) -> int:
-    return stage_to_pp_rank(cfg)[num_stages(cfg) - 1]
-
-
-def pipeline_microbatches(cfg: Config, per_rank_batch: int) -> int:
-    """Pipeline micro-batches per optimizer step for this per-rank batch, or a UsageError."""
-    p, t = cfg.parallel, cfg.trainer
-    m = p.microbatches or (max(1, per_rank_batch // t.micro_batch_size) if t.micro_batch_size else p.pp)
-    if per_rank_batch % m:
-        raise UsageError(f"the per-rank batch {per_rank_batch} (= trainer.batch_size / dp) does not split "
-                         f"into {m} pipeline micro-batches; make trainer.batch_size a multiple of "
-                         f"{m} x dp or change parallel.microbatches")
-    if t.micro_batch_size and t.micro_batch_size * m != per_rank_batch:
-        raise UsageError(f"trainer.micro_batch_size={t.micro_batch_size} x parallel.microbatches={m} != "
-                         f"per-rank batch {per_rank_batch}: under pp one optimizer step is one pipeline "
-                         f"schedule; set trainer.micro_batch_size=0 or {per_rank_batch // m}")
-    if p.pp_schedule != "gpipe" and m < p.pp:
-        raise UsageError(f"parallel.pp_schedule={p.pp_schedule} needs parallel.microbatches >= pp = {p.pp} "
-                         f"(got {m}); raise parallel.microbatches or use gpipe")
-    rounds = max(1, m // p.pp)
-    if p.pp_stages_per_rank > 1 and m % rounds:
-        raise UsageError(f"parallel.pp_schedule={p.pp_schedule} with {p.pp_stages_per_rank} stages per "
-                         f"rank runs micro-batches in rounds of pp: parallel.microbatches={m} must be "
-                         f"a multiple of {rounds}; use a multiple of pp={p.pp}")
-    return m
-
-
-def schedule_class(cfg: Config) -> type[_PipelineSchedule]:
+def schedule_class(cfg: Config, layout: Layout) -> type[_PipelineSchedule]:
     p = cfg.parallel
     if p.pp_schedule == "gpipe":
         return ScheduleGPipe
@@ -127,7 +78,7 @@ def schedule_class(cfg: Config) -> type[_PipelineSchedule]:
         return Schedule1F1B
     if p.pp_schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B
-    return ScheduleZBVZeroBubble if is_v_shape(cfg) else ScheduleInterleavedZeroBubble
+    return ScheduleZBVZeroBubble if layout.v_shape else ScheduleInterleavedZeroBubble
 
 
 def _single_stage(cls: type) -> bool:
@@ -137,7 +88,12 @@ def _single_stage(cls: type) -> bool:
 # ----------------------------------------------------------------------------- stages
 
 
-def make_stage_module(model: GPT, stage: int, counts: list[int]) -> GPT:
+def split_stages(model: GPT, layout: Layout, pp_rank: int) -> dict[int, GPT]:
+    """This pp rank's stages (stage id -> module), in stage order."""
+    return {s: make_stage_module(model, s, layout.stage_blocks) for s in layout.stages_of(pp_rank)}
+
+
+def make_stage_module(model: GPT, stage: int, counts: tuple[int, ...]) -> GPT:
     """A deep copy of `model` keeping only stage `stage`'s pieces (same parameter names)."""
     first_block = sum(counts[:stage])
     keep = {str(i) for i in range(first_block, first_block + counts[stage])}
@@ -183,79 +139,54 @@ class _Alias(nn.Module):
         self.weight = weight
 
 
-def _grad_as_param(p: nn.Parameter) -> torch.Tensor:
-    """p.grad laid out like p. A DTensor gradient may come back in another placement than its
-    parameter (a vocabulary-parallel embedding's gradient is Replicate while the weight is
-    Shard(0)); the two tied copies must agree element for element before they are summed."""
-    g = p.grad
-    if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
-        p.grad = g = g.redistribute(p.device_mesh, p.placements)
-    return g
-
-
-class Pipeline:
+class Pipeline(StepRunner):
     """This rank's pipeline stages, their schedule, and the tied-weight bookkeeping."""
 
-    def __init__(self, model: GPT, cfg: Config, mesh, device: torch.device, per_rank_batch: int):
-        self.cfg = cfg
-        self.device = device
-        self.pp_mesh = mesh["pp"]
-        self.pp_rank = self.pp_mesh.get_local_rank()
-        self.num_stages = num_stages(cfg)
-        self.microbatches = pipeline_microbatches(cfg, per_rank_batch)
-        placement = stage_to_pp_rank(cfg)
-        self.stage_ids = [s for s in range(self.num_stages) if placement[s] == self.pp_rank]
-        counts = stage_block_counts(cfg)
-        # Stage modules in stage order; the Strategy shards/wraps them, then calls build_schedule.
-        self.stage_modules: list[GPT] = [make_stage_module(model, s, counts) for s in self.stage_ids]
-        self.holds_first = 0 in self.stage_ids
-        self.holds_last = self.num_stages - 1 in self.stage_ids
+    def __init__(self, stages: dict[int, GPT], wrapped: list[nn.Module], cfg: Config, layout: Layout,
+                 mesh: DeviceMesh, device: torch.device, rank: int):
+        """`stages`: this rank's stage modules by stage id (split_stages, then tensor parallel);
+        `wrapped`: each of them under the data-parallel engine (DDP, FSDP2 or itself), in the same
+        order. The schedule runs the wrapped ones, so DDP's no_sync and FSDP's deferred
+        reduce-scatter apply."""
+        self.cfg, self.layout, self.device, self.rank = cfg, layout, device, rank
+        self.stage_ids, self.stage_modules = list(stages), list(stages.values())
+        self.holds_first = 0 in stages
+        self.holds_last = layout.num_stages - 1 in stages
+        self.loss_owner = self.holds_last
         self.tied = cfg.model.tie_weights
-        self.tied_group = self._tied_weight_group(mesh, placement) if self.tied else None
-        self.stages: list[PipelineStage] = []
-        self.schedule: _PipelineSchedule | None = None
-        self.state_view: nn.Module | None = None
-        self._loss_fn: Callable | None = None
-        self._scale_loss: Callable = lambda loss: loss
+        self.tied_group = self._tied_weight_group() if self.tied else None
+        self.pp_group = mesh["pp"].get_group()
+        # torch PipelineStage objects (benchmarks/pp_bubble.py times them)
+        self.stages = [_Stage(w, s, layout.num_stages, device, group=self.pp_group)
+                       for w, s in zip(wrapped, self.stage_ids)]
+        cls = schedule_class(cfg, layout)
+        self.schedule = cls(self.stages[0] if _single_stage(cls) else self.stages,
+                            n_microbatches=layout.microbatches, loss_fn=self._loss, scale_grads=False)
+        self._scale_loss = lambda loss: loss
         self._losses: list[torch.Tensor] = []
+        super().__init__([self._make_state_view()])
 
-    def _tied_weight_group(self, mesh, placement: dict[int, int]):
+    def _tied_weight_group(self):
         """Process group of the two ranks holding the first and last stage at this rank's
         (dp, tp) coordinate, or None when one rank holds both. Every rank creates every group
         (new_group is collective over the world), in the same order."""
-        first, last = placement[0], placement[self.num_stages - 1]
+        first, last = self.layout.stage_placement[0], self.layout.stage_placement[-1]
         if first == last:
             return None
-        ranks = mesh.mesh  # (pp, dp, tp) tensor of global ranks
         mine = None
-        for d in range(ranks.size(1)):
-            for t in range(ranks.size(2)):
-                pair = [int(ranks[first, d, t]), int(ranks[last, d, t])]
+        for d in range(self.layout.dp):
+            for t in range(self.layout.tp):
+                pair = [self.layout.rank_of(first, d, t), self.layout.rank_of(last, d, t)]
                 group = dist.new_group(pair)
-                if dist.get_rank() in pair:
+                if self.rank in pair:
                     mine = group
         return mine
-
-    # ------------------------------------------------------------------ build
 
     def _first(self) -> GPT:
         return self.stage_modules[self.stage_ids.index(0)]
 
     def _last(self) -> GPT:
-        return self.stage_modules[self.stage_ids.index(self.num_stages - 1)]
-
-    def build_schedule(self, wrapped: list[nn.Module]) -> None:
-        """`wrapped[i]` is stage_modules[i] after data-parallel wrapping (DDP/FSDP or itself):
-        the schedule runs those, so DDP's no_sync and FSDP's deferred reduce-scatter apply."""
-        group = self.pp_mesh.get_group()
-        stages = [_Stage(w, s, self.num_stages, self.device, group=group)
-                  for w, s in zip(wrapped, self.stage_ids)]
-        self.stages = stages  # torch PipelineStage objects (benchmarks/pp_bubble.py times them)
-        cls = schedule_class(self.cfg)
-        target = stages[0] if _single_stage(cls) else stages
-        self.schedule = cls(target, n_microbatches=self.microbatches, loss_fn=self._loss,
-                            scale_grads=False)
-        self.state_view = self._make_state_view()
+        return self.stage_modules[self.stage_ids.index(self.layout.num_stages - 1)]
 
     def _make_state_view(self) -> nn.Module:
         """GPT-shaped module over this rank's pieces (see the module docstring). Built after
@@ -282,34 +213,35 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Called by the schedule on the last stage for every micro-batch."""
-        loss = self._loss_fn(logits, targets)
+        loss = lm_loss(logits, targets)
         self._losses.append(local_tensor(loss.detach()).float())
-        return self._scale_loss(loss / self.microbatches)
+        return self._scale_loss(loss / self.layout.microbatches)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> torch.Tensor:
         self._losses = []
-        args = (x,) if self.holds_first else ()
-        target = y if self.holds_last else None
-        if train:
-            self.schedule.step(*args, target=target, return_outputs=False)
-        else:
-            self.schedule.eval(*args, target=target)
+        args = (x.to(self.device),) if self.holds_first else ()
+        target = y.to(self.device) if self.holds_last else None
+        with autocast(self.cfg, self.device), loss_context(self.cfg):
+            if train:
+                self.schedule.step(*args, target=target, return_outputs=False)
+            else:
+                self.schedule.eval(*args, target=target)
         if not self.holds_last:
             return torch.zeros((), device=self.device)
         # The last M calls are the micro-batches (the first step's shape inference adds one).
-        return torch.stack(self._losses[-self.microbatches:]).mean()
+        return torch.stack(self._losses[-self.layout.microbatches:]).mean()
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                         scale_loss: Callable) -> torch.Tensor:
+    def forward_backward(self, x, y, scale_loss):
         """One schedule step over this rank's share; returns the mean loss on the last stage's
         rank (zero elsewhere: Strategy.reduce_mean knows the loss owners)."""
-        self._loss_fn, self._scale_loss = loss_fn, scale_loss
+        self._scale_loss = scale_loss
         loss = self._run(x, y, train=True)
         self.sync_tied_grads()
         return loss
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
-        self._loss_fn, self._scale_loss = loss_fn, (lambda loss: loss)
+    @torch.no_grad()
+    def eval_loss(self, x, y):
+        self._scale_loss = lambda loss: loss
         return self._run(x, y, train=False)
 
     # ------------------------------------------------------------------ tied weight
@@ -322,11 +254,11 @@ class Pipeline:
         if self.holds_first and self.holds_last:
             first, last = self._first().tok_emb.weight, self._last().lm_head.weight
             if last is not first and last.grad is not None:
-                local_tensor(_grad_as_param(first)).add_(local_tensor(_grad_as_param(last)))
+                local_tensor(grad_like_param(first)).add_(local_tensor(grad_like_param(last)))
                 last.grad = None  # not in the optimizer: refreshed in after_optimizer_step
         elif self.tied_group is not None and (self.holds_first or self.holds_last):
             weight = self._first().tok_emb.weight if self.holds_first else self._last().lm_head.weight
-            dist.all_reduce(local_tensor(_grad_as_param(weight)), group=self.tied_group)
+            dist.all_reduce(local_tensor(grad_like_param(weight)), group=self.tied_group)
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
@@ -336,11 +268,33 @@ class Pipeline:
             if last is not first:
                 local_tensor(last).copy_(local_tensor(first))
 
+    # ------------------------------------------------------------------ across stages
+
     def norm_parameters(self) -> list[nn.Parameter]:
-        """Parameters whose gradients count in the global norm on this rank: the state view's,
-        minus the tied weight where the first stage's rank already counts it."""
-        params = list(self.state_view.parameters())
+        """The state view's parameters, minus the tied weight where the first stage's rank
+        already counts it."""
+        params = super().norm_parameters()
         if self.tied and self.holds_last and not self.holds_first:
             tied = self._last().lm_head.weight
             params = [p for p in params if p is not tied]
         return params
+
+    def sum_over_stages(self, value: torch.Tensor) -> None:
+        dist.all_reduce(value, group=self.pp_group)
+
+    def merge_over_stages(self, per_rank: dict) -> dict:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, per_rank)
+        return {k: v for part in everyone for k, v in part.items()}
+
+    def full_model_state_dict(self, rank):
+        """Every rank gathers its stages over its dp/tp group (a collective there), then the ranks
+        at dp = tp = 0 (one per stage group, global rank 0 among them) send them to rank 0."""
+        sd = get_model_state_dict(self.parts[0], options=StateDictOptions(full_state_dict=True))
+        sd = {k: v.detach().cpu().clone() for k, v in sd.items()}
+        at = self.layout.coordinate(rank)
+        if at.dp != 0 or at.tp != 0:
+            return None
+        parts = [None] * self.layout.pp if rank == 0 else None
+        dist.gather_object(sd, parts, dst=0, group=self.pp_group)
+        return {k: v for part in parts for k, v in part.items()} if rank == 0 else None

@@ -10,27 +10,28 @@ dimension. Per block (Megatron-LM, Shoeybi et al. 2019, section 3):
     backward:  the mirror image, one all-reduce per attention and per MLP (on the block input).
 
 q, k and v are separate Linear layers in model.py, so a column split hands every rank whole heads
-of each (a fused [3C, C] layer split column-wise would not: trap 5 in the facts notes). The
-attention code reshapes with view(b, t, -1, head_dim), so it runs on the local heads unchanged.
+of each (a fused [3C, C] layer split column-wise over tp=2 would give rank 0 all of q and half
+of k). The attention code reshapes with view(b, t, -1, head_dim), so it runs on the local heads
+unchanged.
 
 Embedding and LM head: replicated by default (every tp rank holds the full matrices and computes
 the full logits). With `vocab_parallel` both are sharded over the vocabulary (Shard(0) of the
 [V, C] matrix): the embedding is row-parallel (a masked lookup + all-reduce) and the LM head is
 column-parallel with logits left sharded on the vocabulary, so the cross-entropy must run under
-`torch.distributed.tensor.parallel.loss_parallel()` (Strategy.loss_context does that). A tied
+`torch.distributed.tensor.parallel.loss_parallel()` (parallel/step.py loss_context does that). A tied
 weight is re-tied after sharding (parallelize_module registers new Parameter objects).
 
 With `sequence_parallel` (Korthikanti et al. 2022) the residual stream between the attention/MLP
 regions is sharded over the sequence (Shard(1)): LayerNorm and dropout run on T / tp positions,
 the all-reduce after each row-parallel layer becomes a reduce-scatter and an all-gather runs
 before each column-parallel region (same bytes, 1/tp of the activation memory in those regions).
-The residual stream stays a plain local tensor of shape (B, T / tp, C) between modules (trap 7:
-a Tensor + DTensor add fails), which is also what a pipeline stage sends to the next one.
+The residual stream stays a plain local tensor of shape (B, T / tp, C) between modules (a
+Tensor + DTensor add fails in torch 2.13), which is also what a pipeline stage sends to the next one.
 
 Parameters that no style touches (LayerNorms without sequence parallel, position embedding, a
 replicated embedding/LM head) stay plain tensors, identical on every tp rank because their
 inputs and gradients are replicated. The optimizer and gradient clipping handle the mix of
-DTensor and plain parameters (see Strategy._adamw_kernel and Strategy.clip_grad_norm_).
+DTensor and plain parameters (see Strategy.adamw and Strategy.clip_grad_norm_).
 """
 from __future__ import annotations
 

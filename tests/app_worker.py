@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch.distributed as dist  # noqa: E402
 
 import main as app  # noqa: E402
-import parallel.mesh  # noqa: E402
+import parallel.env  # noqa: E402
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--app", action="append", required=True, help="space-separated overrides")
     args = ap.parse_args()
-    parallel.mesh.shutdown = lambda: None  # one process group for all runs of this launch
+    parallel.env.shutdown = lambda: None  # one process group for all runs of this launch
     # a refused run here is followed by the next one, not by the worker's exit: no error file for
     # torchrun's summary (main's handler would also make ranks > 0 wait for rank 0 to exit first)
     os.environ.pop("TORCHELASTIC_ERROR_FILE", None)

@@ -46,7 +46,7 @@ def whole_state(strategy, optimizer) -> dict:
 def build(overrides: str, run_dir: Path):
     from config import load_config
     from main import build_trainer
-    from parallel.mesh import init_distributed
+    from parallel.env import init_distributed
     cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}", "trainer.resume=never"] + overrides.split())
     return build_trainer(cfg, init_distributed(cfg), run_dir)
 

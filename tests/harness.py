@@ -77,7 +77,7 @@ def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: i
 
     from config import load_config
     from main import build_trainer
-    from parallel.mesh import init_distributed
+    from parallel.env import init_distributed
 
     cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}"] + list(overrides))
     env = init_distributed(cfg)

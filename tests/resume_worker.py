@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 from config import load_config  # noqa: E402
 from harness import TINY  # noqa: E402
 from main import build_trainer  # noqa: E402
-from parallel.mesh import init_distributed  # noqa: E402
+from parallel.env import init_distributed  # noqa: E402
 
 COMMON = TINY + ["model.dropout=0.1", "optimizer.lr_decay_steps=20", "trainer.sample_tokens=0",
           "trainer.eval_every=1000", "trainer.eval_batches=1"]

@@ -21,7 +21,7 @@ import main as app
 import sample
 from config import load_config
 from harness import CORPUS, TINY, python
-from parallel.mesh import init_distributed
+from parallel.env import init_distributed
 from trainer import lr_at, total_steps
 
 

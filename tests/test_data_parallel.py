@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import main as app
+from config import UsageError, load_config
 from harness import TINY, python, run_steps, torchrun
-from parallel import Strategy
+from parallel import Layout, Strategy
 from parity import FP16_SCALE, PARAM_ATOL, assert_parity, load_case, parity_errors
 
 STEPS = 10
@@ -368,10 +369,7 @@ def test_bad_config_one_line_exit_2(overrides, message, tmp_path, capsys):
      "parallel.zero_stage=2 shards plain tensors and does not compose with parallel.tp/pp > 1"),
 ])
 def test_bad_layout(overrides, world, message):
-    """World-size checks run in the strategy's constructor, before any collective."""
-    from config import UsageError, load_config
-    from parallel import strategy_class
-    from parallel.mesh import DistEnv
+    """World-size checks run in Layout.of, before any process group, model or strategy exists."""
     cfg = load_config(None, TINY + overrides)
     with pytest.raises(UsageError, match=re.escape(message)):
-        strategy_class(cfg.parallel.strategy)(cfg, DistEnv(world_size=world))
+        Layout.of(cfg, world)

@@ -22,7 +22,7 @@ import main as app
 from char_dataset import Batching, CharDataset, load_corpus
 from config import load_config
 from harness import TINY, torchrun
-from parallel.mesh import init_distributed
+from parallel.env import init_distributed
 from sample import load_model_pt
 
 # A GPT-2 of the test size: 2 blocks, 2 heads (tp=2 splits them), the GPT-2 vocabulary.

@@ -30,7 +30,7 @@ from harness import TINY
 from main import build_trainer
 from parallel import Strategy
 from parallel.dp import DataParallelStrategy
-from parallel.mesh import DistEnv, init_distributed
+from parallel.env import DistEnv, init_distributed
 from tracking import NullTracker
 
 

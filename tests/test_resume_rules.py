@@ -22,7 +22,7 @@ import main as app
 from config import load_config
 from harness import CORPUS, TINY, torchrun
 from main import build_trainer
-from parallel.mesh import init_distributed
+from parallel.env import init_distributed
 from snapshot import SnapshotManager
 from trainer import lr_at
 

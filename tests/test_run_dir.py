@@ -26,7 +26,7 @@ import pytest
 import char_dataset  # noqa: F401
 import main as app
 import model  # noqa: F401
-import parallel.mesh  # noqa: F401
+import parallel.env  # noqa: F401
 import runlock
 import sample  # noqa: F401
 import tracking  # noqa: F401

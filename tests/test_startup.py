@@ -8,13 +8,13 @@ import re
 import main as app
 from config import dump_yaml, load_config
 from harness import TINY, torchrun
-from parallel import strategy_class
-from parallel.mesh import DistEnv
+from parallel import build_strategy
+from parallel.env import DistEnv
 
 
 def describe(world: int, overrides: list[str]) -> str:
     cfg = load_config(None, TINY + overrides)
-    return strategy_class(cfg.parallel.strategy)(cfg, DistEnv(world_size=world)).describe()
+    return build_strategy(cfg, DistEnv(world_size=world)).describe()
 
 
 def test_layout_description_names_the_strategy_of_each_dimension():

@@ -19,7 +19,7 @@ import torch
 import main as app
 from config import load_config
 from harness import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
-from parallel.mesh import init_distributed
+from parallel.env import init_distributed
 
 # save_every=0 (TINY): the only snapshots are the stop snapshots and the final one, so a relaunch
 # can only resume from what the stop wrote.

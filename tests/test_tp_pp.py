@@ -28,8 +28,7 @@ import torch
 import main as app
 from config import UsageError, load_config
 from harness import TINY, torchrun
-from parallel import strategy_class
-from parallel.mesh import DistEnv
+from parallel import Layout
 from parity import FP16_SCALE, LOSS_RTOL, assert_parity, load_case
 from tp_pp_worker import run_case
 
@@ -212,16 +211,16 @@ BAD_LAYOUTS = [  # (world size, overrides, message): checked before any process 
 def test_bad_layout_is_one_line_usage_error(world, overrides, message):
     cfg = load_config(None, TINY + overrides)
     with pytest.raises(UsageError) as e:
-        strategy_class(cfg.parallel.strategy)(cfg, DistEnv(world_size=world), None)
+        Layout.of(cfg, world)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_good_layouts_pick_microbatches_and_tracker_rank():
     """micro_batch_size fixes the pipeline micro-batch; the tracker is the last stage's first rank."""
     cfg = load_config(None, TINY + ["parallel.pp=2"])  # batch 8, micro 2, dp 2 -> 2 micro-batches
-    s = strategy_class("ddp")(cfg, DistEnv(world_size=4), None)
+    s = Layout.of(cfg, 4)
     assert (s.micro_batch_size, s.tracker_rank) == (2, 2)
     cfg = load_config(None, TINY + ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
                                     "parallel.pp_stages_per_rank=2", "trainer.micro_batch_size=0"])
-    s = strategy_class("none")(cfg, DistEnv(world_size=2), None)
+    s = Layout.of(cfg, 2)
     assert (s.micro_batch_size, s.tracker_rank) == (4, 0)  # V-shape: rank 0 holds the last stage

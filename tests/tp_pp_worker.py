@@ -37,8 +37,8 @@ def main() -> None:
     out = Path(args.out)
     save_cases(args.case, args.steps, out, evaluate=True)
     import main as app
-    import parallel.mesh
-    parallel.mesh.shutdown = lambda: None  # keep the group for the next run of this launch
+    import parallel.env
+    parallel.env.shutdown = lambda: None  # keep the group for the next run of this launch
     codes = []
     for overrides in args.app:
         codes.append(app.main(overrides.split()))

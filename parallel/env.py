@@ -1,11 +1,8 @@
-"""Process group start-up and the (pp, dp, tp) device mesh.
+"""Process group start-up: this process's rank, world size and device.
 
-Owns `DistEnv` (rank, world size, device) and `build_mesh`. torchrun sets RANK/WORLD_SIZE/
-LOCAL_RANK; without them the program is one process and no process group is created.
-
-Mesh order is ("pp", "dp", "tp") with tp innermost: tensor parallelism talks twice per block, so
-its ranks should be neighbours (same host, NVLink); pipeline stages talk least, so they are
-outermost. dp = world_size / (tp * pp).
+Owns `DistEnv`, `init_distributed`, the control group for flags and `shutdown`. torchrun sets
+RANK/WORLD_SIZE/LOCAL_RANK; without them the program is one process and no process group is
+created. How the world is split into pp x dp x tp is the layout's (parallel/layout.py).
 """
 from __future__ import annotations
 
@@ -113,21 +110,3 @@ def shutdown() -> None:
     _CONTROL_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def mesh_shape(cfg: Config, world_size: int) -> tuple[int, int, int]:
-    """(pp, dp, tp) for this world size, or a UsageError naming the mismatch."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    if world_size % (tp * pp):
-        raise UsageError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
-                         f"{tp * pp}; launch a multiple of {tp * pp} processes")
-    return pp, world_size // (tp * pp), tp
-
-
-def build_mesh(cfg: Config, env: DistEnv):
-    """The named 3-D DeviceMesh, or None for a single process."""
-    pp, dp, tp = mesh_shape(cfg, env.world_size)
-    if not env.distributed:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(env.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))

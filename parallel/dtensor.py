@@ -1,0 +1,46 @@
+"""DTensor helpers: the one place that asks whether a tensor is distributed.
+
+Tensor parallelism (DTensor `parallelize_module`) and FSDP2 (`fully_shard`) turn parameters and
+gradients into DTensors; pipeline stages, DDP and ZeRO-1/2 keep plain tensors; a tp layout mixes
+both (LayerNorms and a replicated embedding stay plain). Code that must work on either calls these.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` stored on this rank (a DTensor's shard or replica; a plain tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a sharded DTensor: the whole tensor on every rank of its mesh."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def same_layout_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Split into plain tensors and DTensors per (mesh, placements) (of a parameter: of its
+    gradient): foreach kernels take neither a DTensor/plain mix nor mixed meshes."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        g = t.grad if isinstance(t, nn.Parameter) and t.grad is not None else t
+        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ()
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
+
+
+def grad_like_param(p: nn.Parameter) -> torch.Tensor:
+    """p.grad laid out like p. A DTensor gradient may come back in another placement than its
+    parameter (a vocabulary-parallel embedding's gradient is Replicate while the weight is
+    Shard(0)); code that adds two gradients element by element needs them alike."""
+    g = p.grad
+    if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+        p.grad = g = g.redistribute(p.device_mesh, p.placements)
+    return g

@@ -1,0 +1,182 @@
+"""The layout of one launch: how many ranks run each parallel dimension, and every rule that
+depends on the world size.
+
+Owns `Layout` (in the spirit of torchtitan's ParallelDims): the degrees pp x dp x tp, the batch
+split they imply (per-rank batch, micro-batches per step), the pipeline's stage placement, the
+rank at a mesh coordinate, and the one `check` of everything a world size can get wrong. It is
+pure arithmetic on the config: `Layout.of(cfg, world_size)` runs before any process group,
+model or strategy exists, so a bad launch is refused in one line before any work. The named
+DeviceMesh is built from it (`build_mesh`) and nothing else computes ranks.
+
+Mesh order is ("pp", "dp", "tp") with tp innermost: tensor parallelism talks twice per block, so
+its ranks should be neighbours (same host, NVLink); pipeline stages talk least, so they are
+outermost. dp = world_size / (tp * pp). Global rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
+
+Config-only checks (heads divisible by tp, a pipeline split that adds up, options that belong to
+another strategy) are config.validate's; the checks here need the world size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+from config import Config, UsageError
+
+MESH_DIMS = ("pp", "dp", "tp")
+# Data-parallel engines that hold plain tensors only: they cannot take tensor-parallel (DTensor)
+# parameters when dp > 1 (DDP broadcasts and reduces plain tensors: measured), and ZeRO-1/2's own
+# element sharding splits plain tensors (ZeRO-3 is FSDP2, which composes with tp and pp).
+_PLAIN_TENSOR_ENGINES = {("ddp", 0): "DDP", ("zero", 1): "DDP + element sharding",
+                         ("zero", 2): "element sharding"}
+
+
+@dataclass(frozen=True)
+class Coordinate:
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    tp: int
+    batch_size: int  # global: sequences per optimizer step
+    microbatches: int  # forward/backward passes per optimizer step on one rank (accumulation or pipeline)
+    num_stages: int = 1  # pipeline stages, pp x parallel.pp_stages_per_rank
+    stage_blocks: tuple[int, ...] = ()  # transformer blocks per stage
+    stage_placement: tuple[int, ...] = (0,)  # stage -> pp rank
+    v_shape: bool = False  # ZB-V: rank r holds stages r and S-1-r
+
+    # ------------------------------------------------------------------ building and checking
+
+    @classmethod
+    def of(cls, cfg: Config, world_size: int) -> "Layout":
+        """The layout of `cfg` on `world_size` ranks, or a UsageError naming what does not fit."""
+        p, t = cfg.parallel, cfg.trainer
+        if world_size % (p.tp * p.pp):
+            raise UsageError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
+                             f"{p.tp * p.pp}; launch a multiple of {p.tp * p.pp} processes")
+        dp = world_size // (p.tp * p.pp)
+        if p.strategy == "dp" and world_size > 1:
+            raise UsageError(f"parallel.strategy=dp drives all GPUs from ONE process but this launch has "
+                             f"{world_size} processes; run `python main.py parallel.strategy=dp` "
+                             f"or use parallel.strategy=ddp under torchrun")
+        if t.batch_size % dp:
+            raise UsageError(f"trainer.batch_size={t.batch_size} is not divisible by the "
+                             f"{dp} data-parallel ranks; use a multiple of {dp}")
+        per_rank = t.batch_size // dp
+        engine = _PLAIN_TENSOR_ENGINES.get((p.strategy, p.zero_stage if p.strategy == "zero" else 0))
+        if p.strategy == "zero" and engine and (p.tp > 1 or p.pp > 1):
+            raise UsageError(f"parallel.zero_stage={p.zero_stage} shards plain tensors and does not compose "
+                             f"with parallel.tp/pp > 1; use parallel.zero_stage=3 or parallel.strategy=fsdp")
+        if engine and p.tp > 1 and dp > 1:
+            raise UsageError(f"parallel.strategy={p.strategy} cannot data-parallelize tensor-parallel "
+                             f"(DTensor) parameters; with parallel.tp > 1 and {dp} dp ranks use "
+                             f"parallel.strategy=fsdp")
+        if p.pp > 1:
+            layout = cls._pipeline(cfg, dp, per_rank)
+        else:
+            micro = t.micro_batch_size or per_rank
+            if per_rank % micro:
+                raise UsageError(f"trainer.micro_batch_size={t.micro_batch_size} does not divide the "
+                                 f"per-rank batch {per_rank} (= batch_size / dp ranks); pick a "
+                                 f"divisor of {per_rank}")
+            layout = cls(pp=1, dp=dp, tp=p.tp, batch_size=t.batch_size, microbatches=per_rank // micro,
+                         stage_blocks=(cfg.model.n_layer,))
+        if p.static_graph and layout.microbatches > 1:
+            # torch DDP bug (pytorch#143580, fix pending in #187732): static_graph with no_sync()
+            # asserts in the reducer on the first backward, and once past that stops reducing.
+            raise UsageError(f"parallel.static_graph=true cannot be combined with gradient accumulation "
+                             f"({layout.microbatches} micro-batches per step; DDP bug pytorch#143580); "
+                             f"set trainer.micro_batch_size=0 or parallel.static_graph=false")
+        return layout
+
+    @classmethod
+    def _pipeline(cls, cfg: Config, dp: int, per_rank: int) -> "Layout":
+        """Stage split and placement, and the pipeline micro-batches M of one schedule step."""
+        p, t = cfg.parallel, cfg.trainer
+        stages = p.pp * p.pp_stages_per_rank
+        blocks = tuple(int(v) for v in p.pp_split.split(",")) if p.pp_split else (cfg.model.n_layer // stages,) * stages
+        v_shape = p.pp_schedule == "zero_bubble" and p.pp_stages_per_rank == 2
+        placement = generate_stage_to_rank_mapping(p.pp, stages, style="v" if v_shape else "loop")
+        m = p.microbatches or (max(1, per_rank // t.micro_batch_size) if t.micro_batch_size else p.pp)
+        if per_rank % m:
+            raise UsageError(f"the per-rank batch {per_rank} (= trainer.batch_size / dp) does not split "
+                             f"into {m} pipeline micro-batches; make trainer.batch_size a multiple of "
+                             f"{m} x dp or change parallel.microbatches")
+        if t.micro_batch_size and t.micro_batch_size * m != per_rank:
+            raise UsageError(f"trainer.micro_batch_size={t.micro_batch_size} x parallel.microbatches={m} != "
+                             f"per-rank batch {per_rank}: under pp one optimizer step is one pipeline "
+                             f"schedule; set trainer.micro_batch_size=0 or {per_rank // m}")
+        if p.pp_schedule != "gpipe" and m < p.pp:
+            raise UsageError(f"parallel.pp_schedule={p.pp_schedule} needs parallel.microbatches >= pp = {p.pp} "
+                             f"(got {m}); raise parallel.microbatches or use gpipe")
+        rounds = max(1, m // p.pp)
+        if p.pp_stages_per_rank > 1 and m % rounds:
+            raise UsageError(f"parallel.pp_schedule={p.pp_schedule} with {p.pp_stages_per_rank} stages per "
+                             f"rank runs micro-batches in rounds of pp: parallel.microbatches={m} must be "
+                             f"a multiple of {rounds}; use a multiple of pp={p.pp}")
+        if p.pp_schedule == "zero_bubble" and dp > 1:
+            # Measured: split input/weight backward passes leave DDP's all-reduce and FSDP's
+            # reduce-scatter with wrong or missing gradients (torch 2.13).
+            raise UsageError("parallel.pp_schedule=zero_bubble does not compose with data parallelism "
+                             f"({dp} dp ranks): use 1f1b or interleaved_1f1b, or dp = 1")
+        return cls(pp=p.pp, dp=dp, tp=p.tp, batch_size=t.batch_size, microbatches=m, num_stages=stages,
+                   stage_blocks=blocks, stage_placement=tuple(placement[s] for s in range(stages)),
+                   v_shape=v_shape)
+
+    # ------------------------------------------------------------------ degrees and batch split
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Sequences of the global batch that one dp rank (all its pp/tp peers together) trains on."""
+        return self.batch_size // self.dp
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.per_rank_batch // self.microbatches
+
+    # ------------------------------------------------------------------ ranks
+
+    def coordinate(self, rank: int) -> Coordinate:
+        """(pp, dp, tp) position of a global rank in the mesh."""
+        return Coordinate(pp=rank // (self.dp * self.tp), dp=rank // self.tp % self.dp, tp=rank % self.tp)
+
+    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The pipeline stages a pp rank holds, in stage order."""
+        return [s for s, r in enumerate(self.stage_placement) if r == pp_rank]
+
+    @property
+    def tracker_rank(self) -> int:
+        """Global rank of the one process that writes metrics and talks to wandb: it holds the
+        reduced loss (the first rank of the last pipeline stage; global rank 0 without pp)."""
+        return self.rank_of(pp=self.stage_placement[-1])
+
+    def build_mesh(self, device_type: str, distributed: bool) -> DeviceMesh | None:
+        """Collective. The named 3-D DeviceMesh, or None for a single process."""
+        if not distributed:
+            return None
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)

@@ -1,0 +1,262 @@
+"""The strategy interface: everything the Trainer may ask of a parallel layout.
+
+The Trainer never looks at `parallel.strategy`; it calls the methods of the `Strategy` that
+`parallel.build_strategy` returns. `parallel.strategy` picks what runs on the data-parallel
+dimension, so the subclasses are data-parallel engines, one per file (`ddp.py`, `zero.py`,
+`fsdp.py`, `dp.py`), each overriding only the hooks it changes: how a module is wrapped
+(`wrap_data_parallel`), the optimizer, clipping, state dicts. This base class *is* the strategy
+without data parallelism (`none`): one model replica, AdamW, DCP-ready state dicts.
+
+Pipeline and tensor parallelism are not strategies: `setup` hands the model to
+`parallel.parallelize`, which splits it for the layout and returns the StepRunner that runs this
+rank's forward and backward (parallel/step.py: a micro-batch loop, or parallel/pp.py: a pipeline
+schedule). Whatever depends on the pipeline split goes through that runner.
+
+Layout of one step, as the Trainer drives it:
+    loss = strategy.forward_backward(x, y, scale_loss)   # this rank's (B/dp, T) share
+    scaler.unscale_(optimizer)                           # fp16 only
+    norm = strategy.clip_grad_norm_(max_norm)
+    optimizer.step(); strategy.after_optimizer_step(); optimizer.zero_grad()
+    strategy.reduce_mean(loss)                           # only on log steps: one collective
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from config import Config
+from model import GPT
+from parallel.dtensor import full_tensor, local_tensor, same_layout_groups
+from parallel.env import DistEnv
+from parallel.layout import Layout
+from parallel.parallelize import parallelize
+from parallel.scaler import make_grad_scaler
+from parallel.step import StepRunner
+
+# Optimizer param-group keys that choose the kernel, not training state: a snapshot written by
+# another layout (e.g. fused AdamW on plain tensors) must not impose its kernel on this one.
+OPTIMIZER_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+class Strategy:
+    """parallel.strategy=none: no data parallelism. Base class of every other strategy.
+
+    Built in two steps: the constructor fixes the layout (what describe, the tracker rank and the
+    batch split need: no model, no collective), `setup(model)` places the model on it. Every
+    method below `setup` needs it done."""
+
+    name = "none"
+    # Does a dp rank hold only a shard of the gradients it steps? (fp16: agree on inf/nan over dp)
+    grads_sharded = False
+
+    def __init__(self, cfg: Config, env: DistEnv, layout: Layout | None = None, mesh: DeviceMesh | None = None):
+        self.cfg = cfg
+        self.env = env
+        self.layout = layout or Layout.of(cfg, env.world_size)
+        self.mesh = mesh
+        self.device = env.device
+        self.coordinate = self.layout.coordinate(env.rank)
+        self.dp_size = self.layout.dp
+        self.dp_rank = self.coordinate.dp
+        self._runner: StepRunner | None = None
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def tracker_rank(self) -> int:
+        """Global rank of the one process that writes metrics and talks to wandb."""
+        return self.layout.tracker_rank
+
+    @property
+    def is_tracker(self) -> bool:
+        return self.env.rank == self.tracker_rank
+
+    def describe(self) -> str:
+        """The layout for the start-up line, each mesh dimension with what runs on it, e.g.
+        'pp 2 (1f1b, 4 micro-batches) x dp 2 (ddp, ...) x tp 2 (megatron ...)'. parallel.strategy
+        acts on the dp dimension only, so a dp of 1 does not name it: a tp=2 run is not 'ddp'."""
+        p, lay = self.cfg.parallel, self.layout
+        if self.env.world_size == 1 and not lay.pp_enabled and not lay.tp_enabled:
+            return self.describe_dp()  # one process: its strategy is the layout
+        pp = "pp 1"
+        if lay.pp_enabled:
+            per_rank = f", {p.pp_stages_per_rank} stages per rank" if p.pp_stages_per_rank > 1 else ""
+            pp = f"pp {lay.pp} ({p.pp_schedule}, {lay.microbatches} micro-batches{per_rank})"
+        dp = f"dp {lay.dp} ({self.describe_dp()})" if lay.dp_enabled else "dp 1"
+        tp = "tp 1"
+        if lay.tp_enabled:
+            extras = (", vocab-parallel embedding + loss" if p.tp_vocab_parallel else "") + \
+                     (", sequence parallel" if p.sequence_parallel else "")
+            tp = f"tp {lay.tp} (megatron column/row split of every block{extras})"
+        return f"{pp} x {dp} x {tp}"
+
+    def describe_dp(self) -> str:
+        """One phrase for what parallel.strategy does on the dp dimension, e.g. 'ddp (bucket 25 MB)'."""
+        return "none (one process, no parallelism)" if self.env.world_size == 1 else self.name
+
+    @property
+    def num_devices(self) -> int:
+        """Devices this layout computes on, all processes together (MFU divides by their peak):
+        one per process."""
+        return self.env.world_size
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, model: GPT) -> None:
+        """Record what the whole model costs (before any split), then place it on the layout."""
+        self.flops_per_token = model.flops_per_token()
+        self.num_params = model.num_params(exclude_position=False)
+        self._runner = parallelize(model, self.cfg, self.layout, self.mesh, self.env, self.wrap_data_parallel)
+
+    @property
+    def runner(self) -> StepRunner:
+        if self._runner is None:
+            raise RuntimeError("Strategy.setup(model) places the model; call it before training")
+        return self._runner
+
+    def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
+        """`module` (a GPT or one pipeline stage, already tensor-parallel) under this strategy's
+        data-parallel engine on mesh["dp"]."""
+        return module
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The module mapping ids -> logits on this rank (None under a pipeline)."""
+        return self.runner.model
+
+    def unwrapped(self) -> list[nn.Module]:
+        """The GPT modules (or the pipeline's view of this rank's stages) with plain parameter names."""
+        return self.runner.parts
+
+    def param_groups(self) -> list[dict]:
+        """AdamW groups: decay matrices (embeddings, linear weights), not biases or LayerNorm."""
+        seen, decay, no_decay = set(), [], []
+        for part in self.unwrapped():
+            for p in part.parameters():
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        return [{"params": decay, "weight_decay": self.cfg.optimizer.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    def adamw(self, groups: list[dict]) -> torch.optim.AdamW:
+        """AdamW with the configured hyper-parameters: fused on plain tensors (CPU and CUDA both
+        have it); DTensor params use torch's default (fused/foreach take no DTensor/plain mix)."""
+        o = self.cfg.optimizer
+        plain = all(type(p) in (torch.Tensor, nn.Parameter) for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), **({"fused": True} if plain else {}))
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return self.adamw(self.param_groups())
+
+    def make_grad_scaler(self):
+        return make_grad_scaler(self.cfg, self.layout, self.mesh, self.device, self.grads_sharded)
+
+    # ------------------------------------------------------------------ step
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
+                         scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda l: l) -> torch.Tensor:
+        """Forward + backward over this rank's share (B/dp, T); gradients end up averaged over the
+        global batch. Returns this rank's mean loss (detached)."""
+        return self.runner.forward_backward(x, y, scale_loss)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss of this rank's share of one validation batch (no gradients)."""
+        return self.runner.eval_loss(x, y)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm; returns the norm before clipping. max_norm=0 only
+        measures it. Gradients may mix plain tensors (replicated: counted once) and DTensors on
+        different meshes/placements (tp/fsdp shards: their norms are reduced over their mesh);
+        under pp every stage adds its share of the squared norm."""
+        params = [p for p in {id(p): p for part in self.unwrapped() for p in part.parameters()}.values()
+                  if p.grad is not None]
+        squared = torch.zeros((), device=self.device)
+        for group in same_layout_groups([p.grad for p in self.runner.norm_parameters() if p.grad is not None]):
+            squared += full_tensor(torch.nn.utils.get_total_norm(group, 2.0, foreach=None)).float() ** 2
+        self.runner.sum_over_stages(squared)
+        total = squared.sqrt()
+        if max_norm > 0:
+            for group in same_layout_groups(params):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
+        return total
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean over data-parallel ranks of a per-rank scalar held by the loss owners; returned on
+        every rank (under pp, non-owners contribute zero and receive the result)."""
+        if not self.env.distributed:
+            return value.detach().float()
+        counted = self.runner.loss_owner and self.coordinate.tp == 0  # tp peers hold the same loss
+        v = value.detach().float().clone() if counted else torch.zeros((), device=self.device)
+        dist.all_reduce(v)
+        return v / self.dp_size
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Collective. Every parameter's whole gradient by plain name, on every rank: what parity
+        tests compare against one process. Sharded strategies gather their shards."""
+        out = {}
+        for part in self.unwrapped():
+            for name, p in part.named_parameters():
+                if p.grad is not None:
+                    out[name] = full_tensor(p.grad).detach().float().cpu().clone()
+        return self.runner.merge_over_stages(out)
+
+    def after_optimizer_step(self) -> None:
+        """Hook after optimizer.step(). Subclasses that override it call super()."""
+        self.runner.after_optimizer_step()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Model and optimizer state keyed by plain parameter names, in DCP's sharded form: a
+        snapshot written by any strategy loads into any other and any world size."""
+        model_sd, optim_sd = get_state_dict(self.unwrapped()[0], optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        """The snapshot's tensors and param-group values; this layout keeps its own optimizer kernel
+        (the snapshot's groups carry the flags of the strategy that wrote it, e.g. fused AdamW for
+        plain tensors, which DTensor parameters cannot use)."""
+        kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+        set_state_dict(self.unwrapped()[0], optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        for group, kernel in zip(optimizer.param_groups, kernels):
+            group.update(kernel)
+        self.after_optimizer_step()
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective. The whole model's plain CPU tensors on global rank 0 (None elsewhere): for model.pt."""
+        return self.runner.full_model_state_dict(self.env.rank)
+
+    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return resident_bytes(self.unwrapped(), optimizer)
+
+
+def resident_bytes(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank actually holds for parameters, gradients and optimizer state, read from
+    the local tensors (a DTensor counts its local shard; a shared tensor counts once)."""
+    seen: set[int] = set()
+
+    def nbytes(ts) -> int:
+        total = 0
+        for t in ts:
+            if t is None or not torch.is_tensor(t):
+                continue
+            loc = local_tensor(t)
+            key = loc.untyped_storage().data_ptr() if loc.numel() else id(loc)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += loc.untyped_storage().nbytes() if loc.numel() else 0
+        return total
+
+    params = [p for part in parts for p in part.parameters()]
+    return {"params": nbytes(params), "grads": nbytes([p.grad for p in params]),
+            "optimizer": nbytes([v for st in optimizer.state.values() for v in st.values()
+                                 if torch.is_tensor(v) and v.dim() > 0])}
