@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import tiktoken
 import torch
 
 from config import DataConfig, UsageError, redact_url
@@ -200,7 +201,6 @@ class GPT2Tokenizer:
 
     def __init__(self):
         try:
-            import tiktoken
             self._enc = tiktoken.get_encoding("r50k_base")
         except Exception as e:
             raise UsageError(f"cannot load the GPT-2 BPE ranks ({type(e).__name__}); go online once or "

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from config import UsageError
+from dcp_reader import UnsafeSnapshot
 from model import GPT, GPTConfig
 from pretrained import write_hf
 from snapshot import (
-    UnsafeSnapshot,
+    SnapshotMeta,
     list_snapshots,
     load_tensors,
     other_format_refusal,
@@ -43,14 +44,15 @@ def consolidate(run_dir: Path, step: int | None) -> dict:
         raise UsageError(f"no snapshot at step {step} in {run_dir / 'snapshots'}; it has steps "
                          f"{steps}: pick one with --step (or leave --step out for the newest)")
     for path in snaps:
-        meta, why = validate_snapshot(path)
-        if meta is None:
+        record, why = validate_snapshot(path)
+        if record is None:
             if step is not None:
                 raise UsageError(other_format_refusal(path)
                                  or f"snapshot {path} is damaged ({why}); pick another --step")
             print(f"warning: skipping snapshot {path}: {why}", file=sys.stderr)
             continue
-        gpt_cfg = GPTConfig(**meta["model_config"])
+        meta = SnapshotMeta.from_record(record)
+        gpt_cfg = GPTConfig(**meta.model_config)
         model = GPT(gpt_cfg)
         sd = {k: v for k, v in model.state_dict().items()}
         state = {"model": sd}
@@ -59,9 +61,7 @@ def consolidate(run_dir: Path, step: int | None) -> dict:
         except UnsafeSnapshot as e:  # changed since validate_snapshot read it
             raise UsageError(f"snapshot {path} is unsafe to load ({e}); pick another --step") from None
         model.load_state_dict(state["model"])
-        return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "model_config": meta["model_config"], "config": meta["config"],
-                "tokenizer": meta["tokenizer"], "step": meta["step"]}
+        return meta.model_file({k: v.detach().clone() for k, v in model.state_dict().items()})
     raise UsageError(f"no valid snapshot in {run_dir / 'snapshots'}; every one is damaged")
 
 

@@ -16,14 +16,38 @@ SIGTERM/SIGINT during training: every rank stops at one step, saves it, one line
 from __future__ import annotations
 
 import argparse
+import dataclasses as dc
+import json
 import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
-from config import redact_url, reject_dashed_overrides
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from char_dataset import (
+    FALLBACK_RUN_DIR,
+    FALLBACK_SOURCE,
+    CharDataset,
+    build_tokenizer,
+    load_corpus,
+    load_tokenizer_record,
+    save_tokenizer,
+)
+from config import TrainerConfig, UsageError, dump_yaml, load_config, redact_url, reject_dashed_overrides
+from model import GPT, GPTConfig
+from parallel import build_strategy
+from parallel.env import init_distributed, shutdown
+from pretrained import check_shape, check_tokenizer, load_initial, open_source
+from runlock import lock_run_dir
+from sample import default_prompt, generate_text, model_from_state
+from snapshot import list_snapshots
+from trainer import NonFiniteError, Trainer, seed_rng
 
 HERE = Path(__file__).resolve().parent
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what SLURM, Kubernetes, torchrun and a terminal send before a kill
@@ -55,17 +79,6 @@ def build_trainer(cfg, env, run_dir: Path, corpus: tuple[str, str] | None = None
     """Corpus, tokenizer, model (same seed on every rank), strategy and Trainer for `cfg` on this
     launch. Shared by main() and the parity tests, so both build runs the same way. `corpus`:
     load_corpus's (text, description) when the caller has loaded it already."""
-    import dataclasses as dc
-
-    import torch
-
-    from char_dataset import CharDataset, build_tokenizer, load_corpus, load_tokenizer_record
-    from model import GPT, GPTConfig
-    from parallel import build_strategy
-    from pretrained import check_shape, check_tokenizer, load_initial, open_source
-    from snapshot import list_snapshots
-    from trainer import Trainer, seed_rng
-
     strategy = build_strategy(cfg, env)  # layout errors before any work
     # ---- data: the local leader downloads, everyone reads the same text
     text, data_source = corpus or load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
@@ -87,18 +100,16 @@ def build_trainer(cfg, env, run_dir: Path, corpus: tuple[str, str] | None = None
         load_initial(model, source)
     strategy.setup(model)
     seed_rng(cfg.trainer.seed, 0, strategy.dp_rank)  # dropout: per dp rank, shared by tp peers
-    trainer = Trainer(cfg, data, tok, strategy, run_dir, dc.asdict(gpt_cfg))
-    trainer.data_source = data_source
-    trainer.init_from = source.path if source is not None else None
-    return trainer
+    return Trainer(cfg, data, tok, strategy, run_dir, dc.asdict(gpt_cfg), data_source=data_source,
+                   init_from=source.path if source is not None else None)
 
 
-def startup_view(args, cfg, env, trainer, meta) -> str:
+def startup_view(args, cfg, env, trainer) -> str:
     """The few lines a launch prints before training (the whole config: --print-config and
     <run_dir>/config.yaml). Printed only once every check has passed, so bad input shows only
     its one error line."""
     strategy, data, tok, t = trainer.strategy, trainer.data, trainer.tokenizer, cfg.trainer
-    start = (f"resumed from {meta['path']} at step {trainer.step}" if meta else "from step 0") + \
+    start = (f"resumed from {trainer.resumed_from} at step {trainer.step}" if trainer.resumed_from else "from step 0") + \
         (f", weights from {trainer.init_from}" if trainer.init_from else "")
     return (f"config: {args.config} + {redact_url(' '.join(args.overrides)) or 'no overrides'} "
             f"(resolved in {Path(t.run_dir).expanduser() / 'config.yaml'}; --print-config shows it)\n"
@@ -132,16 +143,9 @@ def stop_exit_code(signum: int, under_torchrun: bool) -> int:
     return 0 if under_torchrun else 128 + signum
 
 
-def run(argv) -> int:
-    import torch.distributed as dist
-
-    from char_dataset import save_tokenizer
-    from config import UsageError, dump_yaml, load_config
-    from model import GPTConfig
-    from parallel.env import init_distributed, shutdown
-    from runlock import lock_run_dir
-    from tracking import RunTracker
-
+def run(argv, keep_process_group: bool = False) -> int:
+    """One launch (see the module doc). `keep_process_group`: leave the process group up at the
+    end, for a caller that runs several launches in one torchrun job (the tests' workers)."""
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
@@ -170,26 +174,19 @@ def run(argv) -> int:
         # ---- every check has passed: from here on this launch writes into the run folder
         if env.rank == 0:
             save_tokenizer(tok, run_dir / "tokenizer.json")
-        # ---- tracking on the one rank that holds the reduced loss
-        if strategy.is_tracker:
-            trainer.tracker = RunTracker(cfg, run_dir, resume_step=trainer.step if meta else None,
-                                         resume_run_id=trainer.tracker_run_id)
-        run_id = [trainer.tracker.run_id]
-        if env.distributed:
-            dist.broadcast_object_list(run_id, src=strategy.tracker_rank)
-        trainer.tracker_run_id = run_id[0]
+        trainer.open_tracker()  # on the one rank that holds the reduced loss
         if env.rank == 0:
             (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
             if args.print_config:
                 print(dump_yaml(cfg), end="", flush=True)
-            print(startup_view(args, cfg, env, trainer, meta), flush=True)
+            print(startup_view(args, cfg, env, trainer), flush=True)
             if trainer.schedule_note:  # a resume whose LR schedule changed: says how, after the view
                 print(trainer.schedule_note, flush=True)
 
         summary = train_until_stopped(trainer)
         if summary.get("stopped"):
+            trainer.close_tracker()
             if strategy.is_tracker:
-                trainer.tracker.finish()
                 print(f"stopped by {signal.Signals(summary['stopped']).name} at step {summary['final_step']}: "
                       f"saved {summary['snapshot']}; run the same command again to resume", flush=True)
             return stop_exit_code(summary["stopped"], env.distributed)
@@ -207,17 +204,16 @@ def run(argv) -> int:
         env.barrier()
         if strategy.is_tracker:
             sample_path = run_dir / "sample.txt"
-            if sample_path.is_file():
-                _after_training("logging the sample", lambda: trainer.tracker.log_text(
-                    "sample", sample_path.read_text(encoding="utf-8")))
-            trainer.tracker.summary({k: v for k, v in summary.items() if v is not None})
-            trainer.tracker.finish()
+            sample = _after_training("reading the sample", lambda: sample_path.read_text(encoding="utf-8")) \
+                if sample_path.is_file() else None
+            trainer.close_tracker(summary, sample)
             print(f"done: step {summary['final_step']} | val loss {summary['val_loss']:.4f} | "
                   f"outputs in {run_dir}", flush=True)
     finally:
         if lock is not None:
             lock.release()
-        shutdown()
+        if not keep_process_group:
+            shutdown()
     return 0
 
 
@@ -227,10 +223,6 @@ def _fallback_corpus_run_dir(cfg, env) -> tuple[str, str] | None:
     so config.yaml and the run-folder lock name the folder really used). Every rank must agree,
     or some would train on another text: a job whose nodes disagree is refused. Returns the
     corpus for build_trainer, or None when the run folder cannot move."""
-    import torch.distributed as dist
-
-    from char_dataset import FALLBACK_RUN_DIR, FALLBACK_SOURCE, load_corpus
-    from config import TrainerConfig, UsageError
     if cfg.trainer.run_dir != TrainerConfig.run_dir or not cfg.data.offline_fallback \
             or not cfg.data.path.startswith(("http://", "https://")):
         return None
@@ -250,7 +242,6 @@ def _fallback_corpus_run_dir(cfg, env) -> tuple[str, str] | None:
 
 
 def _write_sample(sd, gpt_cfg, tok, cfg, run_dir: Path) -> None:
-    from sample import default_prompt, generate_text, model_from_state
     (run_dir / "sample.txt").unlink(missing_ok=True)  # an older launch's sample is not this run's
     sampler = model_from_state(sd, gpt_cfg)
     sample = generate_text(sampler, tok, prompt=default_prompt(tok), tokens=cfg.trainer.sample_tokens,
@@ -273,8 +264,6 @@ def _after_training(what: str, fn, fix: str = ""):
 def error_line(e: BaseException) -> str | None:
     """The one line a refused launch ends with: bad input (UsageError) or a non-finite loss; None
     for any other exception (a bug: its traceback is the useful report)."""
-    from config import UsageError
-    from trainer import NonFiniteError
     if isinstance(e, UsageError):
         return f"error: {e}"
     if isinstance(e, NonFiniteError):
@@ -296,10 +285,6 @@ def _elastic_error_handler():
     agent stops this rank during the wait (SIGTERM), and the line appears once in the summary (rank
     0's) and once on stderr (only rank 0 prints it); when only this rank refused, the summary shows
     its line after the wait."""
-    import json
-    import time
-
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     class OneLineErrors(ErrorHandler):
         def initialize(self) -> None:  # faulthandler: only in a torchrun worker, not in a caller's process
@@ -321,13 +306,11 @@ def _elastic_error_handler():
     return OneLineErrors()
 
 
-def main(argv=None) -> int:
+def main(argv=None, keep_process_group: bool = False) -> int:
     _one_line_warnings()
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from config import UsageError
     try:
-        code = record(run, error_handler=_elastic_error_handler())(sys.argv[1:] if argv is None else argv)
+        code = record(run, error_handler=_elastic_error_handler())(sys.argv[1:] if argv is None else argv,
+                                                                   keep_process_group)
         return 0 if code is None else code  # record() turns argparse's SystemExit(0) (--help) into None
     except Exception as e:
         line = error_line(e)

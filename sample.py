@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
+from char_dataset import tokenizer_from_dict
 from config import UsageError
+from export import consolidate
 from model import GPT, GPTConfig
 
 
@@ -23,8 +25,8 @@ def model_from_state(state_dict: dict, gpt_cfg: GPTConfig) -> GPT:
 
 
 def load_model_pt(path: Path):
-    """(model, tokenizer, payload) from a model.pt written by main.py or export.py."""
-    from char_dataset import tokenizer_from_dict
+    """(model, tokenizer, payload) from a model.pt written by main.py or export.py (its payload:
+    snapshot.SnapshotMeta.model_file)."""
     if not path.is_file():
         raise UsageError(f"{path} not found; train first (python main.py) or export a snapshot "
                          f"(python export.py --run-dir ...)")
@@ -83,9 +85,7 @@ def main(argv=None) -> int:
                                  f"pass UTF-8 text, e.g. convert it with iconv -t utf-8") from None
         run_dir = Path(args.run_dir)
         if args.snapshot:
-            from export import consolidate
             payload = consolidate(run_dir, None)
-            from char_dataset import tokenizer_from_dict
             model = model_from_state(payload["model"], GPTConfig(**payload["model_config"]))
             tok = tokenizer_from_dict(payload["tokenizer"])
         else:

@@ -24,38 +24,73 @@ the next save, not deleted.
 
 Nothing is unpickled: DCP holds only tensors (read with torch.load(weights_only=True)); the
 non-tensor state (optimizer param groups) goes to meta.json; DCP's own `.metadata` index is a
-pickle, so it is read by an unpickler that admits only the classes of DCP's Metadata, and a
-snapshot whose index names anything else, or non-tensor (BYTE_IO) entries, counts as damaged.
+pickle, so it is read by an unpickler that admits only the classes of DCP's Metadata
+(dcp_reader.py), and a snapshot whose index names anything else, or non-tensor (BYTE_IO)
+entries, counts as damaged.
+
+`SnapshotMeta` is the run's record in meta.json (what the Trainer writes and reads back, and what
+export.py and sample.py rebuild a model from); the file list, format version and param groups
+around it are this module's own.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
-import pathlib
-import pickle
 import shutil
 import signal
 import sys
 import warnings
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import LoadItemType
 
 from config import UsageError
+from dcp_reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
 
 META = "meta.json"
 DAMAGED = "damaged"  # snapshots/damaged/<name>: damaged snapshots moved aside, never loaded
 # 2: only tensors in DCP, param groups in meta.json["nontensor_state"] (1 had pickled param groups)
 FORMAT_VERSION = 2
+
+
+@dataclass
+class SnapshotMeta:
+    """The run's record in a snapshot's meta.json: enough to resume it, to refuse a launch that
+    would be another run (data stream, model shape), and to rebuild the model and tokenizer
+    without the config file."""
+    step: int
+    config: dict  # the whole resolved config (Config.to_dict)
+    model_config: dict  # GPTConfig as a dict
+    tokenizer: dict  # the tokenizer record (char vocabulary or gpt2)
+    fingerprint: str  # Config.model_fingerprint(): what fixes the parameter shapes
+    data_position: dict  # {"step", **Trainer.data_stream()}: batches are a pure function of these
+    world_size: int
+    strategy: str  # parallel.strategy of the writer
+    mesh: dict  # {"pp", "dp", "tp"} of the writer: its RNG streams belong to that layout
+    scaler: dict | None = None  # fp16 grad scaler state
+    tracker_run_id: str | None = None  # the wandb run a resume continues
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def model_file(self, state_dict: dict) -> dict:
+        """The payload of model.pt for these weights: plain tensors and plain data, so that
+        torch.load(weights_only=True) reads it (sample.py load_model_pt)."""
+        return {"model": state_dict, "model_config": self.model_config, "config": self.config,
+                "tokenizer": self.tokenizer, "step": self.step}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "SnapshotMeta":
+        """From a validated meta.json (which also holds this module's own keys: files, format)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})
 
 
 def _file_digest(path: Path) -> str:
@@ -88,107 +123,6 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------- DCP without pickle
-
-class UnsafeSnapshot(ValueError):
-    """A snapshot whose DCP index is not plain DCP metadata over tensors."""
-
-
-# What DCP's .metadata pickle may name (torch/distributed/checkpoint/metadata.py and filesystem.py
-# of the installed torch): its Metadata dataclasses, the per-file _StorageInfo, torch.Size,
-# dtypes, the layout helper, and the path StorageMeta records. Nothing callable beyond those.
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,
-    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "WindowsPath"): pathlib.WindowsPath,
-    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
-}
-
-
-# Objects whose state the pickle may set (BUILD): fresh instances of DCP's metadata dataclasses;
-# never a class, function or enum member, which the C unpickler would let a pickle modify.
-_BUILDABLE = frozenset([_StorageInfo] + [c for c in vars(dcp_metadata).values() if isinstance(c, type)
-                                         and c.__module__ == dcp_metadata.__name__ and is_dataclass(c)])
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler (stdlib), so that BUILD can be checked too."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str):
-        if module == dcp_metadata.__name__:
-            obj = getattr(dcp_metadata, name, None)
-            if isinstance(obj, type) and obj.__module__ == module:  # its own classes only
-                return obj
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        elif (module, name) in _ALLOWED_GLOBALS:
-            return _ALLOWED_GLOBALS[(module, name)]
-        raise UnsafeSnapshot(f"its DCP .metadata names {module}.{name}, which DCP metadata never holds")
-
-    def persistent_load(self, pid):
-        raise UnsafeSnapshot("its DCP .metadata holds a persistent reference")
-
-    def load_build(self):
-        target = self.stack[-2]  # BUILD pops the state, then sets it on the object below it
-        if type(target) not in _BUILDABLE:
-            raise UnsafeSnapshot(f"its DCP .metadata sets the state of {type(target).__name__} "
-                                 f"{str(target)[:60]!r}, which DCP metadata never does")
-        pickle._Unpickler.load_build(self)
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-
-def read_dcp_metadata(path: Path, files: set[str] | None = None) -> dcp_metadata.Metadata:
-    """DCP's index of `path`, unpickled with only DCP's metadata classes admitted, and checked
-    to describe tensors only (a BYTE_IO entry would be read with torch.load(weights_only=False))
-    stored in the snapshot's own data files (`files`, when given). Raises UnsafeSnapshot."""
-    try:
-        with open(path / ".metadata", "rb") as f:
-            md = _MetadataUnpickler(f).load()
-    except UnsafeSnapshot:
-        raise
-    except Exception as e:  # truncated or garbage pickle
-        raise UnsafeSnapshot(f"its DCP .metadata does not parse ({type(e).__name__})") from None
-    if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict) \
-            or not isinstance(md.storage_data, dict):
-        raise UnsafeSnapshot("its DCP .metadata is not a DCP Metadata record")
-    for key, entry in md.state_dict_metadata.items():
-        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
-            raise UnsafeSnapshot(f"its DCP entry {key!r} is not a tensor ({type(entry).__name__}); "
-                                 f"snapshots of this format hold only tensors")
-    for index, info in md.storage_data.items():
-        if not isinstance(index, dcp_metadata.MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise UnsafeSnapshot("its DCP .metadata has a malformed storage index")
-        if files is not None and info.relative_path not in files:
-            raise UnsafeSnapshot(f"its DCP .metadata points at {info.relative_path!r}, not a file "
-                                 f"of the snapshot")
-    return md
-
-
-class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader that reads .metadata with the restricted unpickler and refuses BYTE_IO
-    reads (DCP's planner loads those with torch.load(weights_only=False)); tensors themselves are
-    read with torch.load(weights_only=True) by FileSystemReader.read_data. read_metadata takes no
-    `rank` keyword, so DCP never falls back to (unchecked) rank-local metadata files."""
-
-    def read_metadata(self) -> dcp_metadata.Metadata:
-        md = read_dcp_metadata(Path(self.path))
-        if md.storage_meta is None:
-            md.storage_meta = dcp_metadata.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-    def read_data(self, plan, planner):
-        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
-            raise UnsafeSnapshot("DCP was asked to unpickle a non-tensor entry")
-        return super().read_data(plan, planner)
 
 
 def load_tensors(path: Path, state: dict, distributed: bool = False) -> None:
@@ -297,6 +231,10 @@ def validate_snapshot(path: Path) -> tuple[dict | None, str]:
         return None, f"snapshot format {fmt}, not this version's {FORMAT_VERSION}"
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
         return None, "meta.json is not a snapshot record of this version"
+    missing = [f.name for f in dataclasses.fields(SnapshotMeta) if f.name not in meta
+               and f.default is dataclasses.MISSING]
+    if missing:
+        return None, f"meta.json lacks {', '.join(missing)}"
     for name, rec in meta["files"].items():
         f = path / name
         if "/" in name or name in (".", "..") or not f.is_file():
@@ -361,7 +299,7 @@ class SnapshotManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict, meta: dict) -> Path:
+    def save(self, step: int, state: dict, meta: SnapshotMeta) -> Path:
         """Collective: every rank calls it with its own shard of `state`; rank 0's `meta` is
         recorded. Tensors go to DCP; the rest (optimizer param groups), merged over the ranks
         (pipeline stages hold different parameters), to meta.json. Returns the final folder."""
@@ -391,7 +329,7 @@ class SnapshotManager:
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
                     files[f.name] = {"size": f.stat().st_size, "sha256": _file_digest(f)}
-            _write_json_atomic(tmp / META, {**meta, "format": FORMAT_VERSION, "step": step,
+            _write_json_atomic(tmp / META, {**meta.to_dict(), "format": FORMAT_VERSION, "step": step,
                                             "nontensor_state": rest or {}, "files": files})
             _fsync_dir(tmp)
             if final.exists():  # the valid one resumed from, or a damaged one skipped on resume

@@ -36,6 +36,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, TextIO
 
+from tqdm import tqdm
+
 from config import Config, redact_url
 
 TRACKER_FILE = "tracker.json"
@@ -160,6 +162,7 @@ class RunTracker(NullTracker):
             return
         w = self.cfg.wandb
         try:
+            # imported only for a run that logs to wandb: the import alone takes about a second
             import wandb
             wdir = Path(w.dir).expanduser() if w.dir else self.run_dir
             wdir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +219,7 @@ class RunTracker(NullTracker):
     def log_text(self, key: str, text: str) -> None:
         """A text (the final sample): an HTML panel in the last row, and the raw text in the summary."""
         def go():
-            import wandb
+            import wandb  # already imported by _init_wandb (a wandb run exists): binds the name
             panel = {key: wandb.Html(f"<pre>{_html_escape(text)}</pre>")}
             # join this launch's last row; with none logged let wandb pick its next step
             step = self.last_logged_step if self._logged_this_launch else None
@@ -252,7 +255,6 @@ class Progress:
         self.t0 = time.perf_counter()
         self.bar = None
         if enabled and self.stream.isatty():
-            from tqdm import tqdm
             self.bar = tqdm(total=total, initial=start, file=self.stream, dynamic_ncols=True,
                             unit="step", smoothing=0.1)
 

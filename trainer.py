@@ -32,9 +32,10 @@ from config import Config, UsageError
 from parallel import Strategy
 from parallel.dtensor import local_tensor
 from parallel.env import control_group
+from parallel.strategy import OPTIMIZER_KERNEL_KEYS
 from perf import Peak, set_fp32_matmul_mode
-from snapshot import SnapshotManager, _fault_point, rng_state, set_rng_state
-from tracking import NullTracker, Progress
+from snapshot import SnapshotManager, SnapshotMeta, _fault_point, rng_state, set_rng_state
+from tracking import NullTracker, Progress, RunTracker
 
 
 def lr_at(step: int, cfg: Config, max_steps: int) -> float:
@@ -125,13 +126,16 @@ class StopVote:
 
 class Trainer:
     def __init__(self, cfg: Config, data: CharDataset, tokenizer, strategy: Strategy, run_dir: Path,
-                 model_config: dict):
+                 model_config: dict, data_source: str = "", init_from: str | None = None):
+        """`data_source`: where the corpus came from (for the start-up view); `init_from`: the
+        weights file the model was loaded from (model.init_from), None for a seeded init."""
         self.cfg = cfg
         self.data = data
         self.tokenizer = tokenizer
         self.strategy = strategy
         self.run_dir = run_dir
         self.model_config = model_config  # GPTConfig as a dict (for model.pt)
+        self.data_source, self.init_from = data_source, init_from
         self.max_steps = total_steps(cfg, data)
         data.check_batch(cfg.trainer.batch_size)
         self.batching = Batching(cfg.trainer.batch_size, strategy.dp_rank, strategy.dp_size)
@@ -151,6 +155,7 @@ class Trainer:
         self.held_bytes: dict[str, int] = {}  # Strategy.resident_bytes, read on log steps
         self.last_val_loss: float | None = None
         self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
+        self.resumed_from: Path | None = None  # the snapshot resume() loaded
         self.stop_request = StopRequest()
         self.schedule_note: str | None = None  # set by resume() when the LR schedule runs differently
         self._snapshot_decay: int | None = None  # the cosine length the resumed snapshot was trained with
@@ -176,30 +181,25 @@ class Trainer:
                 "model.block_size": c.model.block_size}
 
     def layout(self) -> dict:
-        return {"pp": self.cfg.parallel.pp, "dp": self.strategy.dp_size, "tp": self.cfg.parallel.tp}
+        lay = self.strategy.layout
+        return {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp}
 
-    def state_meta(self) -> dict:
-        env = self.strategy.env
-        return {
-            "step": self.step,
-            "data_position": {"step": self.step, **self.data_stream()},
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "tracker_run_id": self.tracker_run_id,
-            "fingerprint": self.cfg.model_fingerprint(),
-            "config": self.cfg.to_dict(),
-            "model_config": self.model_config,
-            "tokenizer": self.tokenizer.to_dict(),
-            "world_size": env.world_size,
-            "strategy": self.cfg.parallel.strategy,
-            "mesh": self.layout(),
-        }
+    def state_meta(self) -> SnapshotMeta:
+        return SnapshotMeta(
+            step=self.step, config=self.cfg.to_dict(), model_config=self.model_config,
+            tokenizer=self.tokenizer.to_dict(), fingerprint=self.cfg.model_fingerprint(),
+            data_position={"step": self.step, **self.data_stream()},
+            world_size=self.strategy.env.world_size, strategy=self.cfg.parallel.strategy, mesh=self.layout(),
+            scaler=self.scaler.state_dict() if self.scaler is not None else None,
+            tracker_run_id=self.tracker_run_id)
 
     def save_snapshot(self) -> Path:
         self.last_snapshot = self.snapshots.save(self.step, self.state_tensors(), self.state_meta())
         return self.last_snapshot
 
-    def resume(self) -> dict | None:
-        """Load the newest valid snapshot according to trainer.resume; returns its meta or None."""
+    def resume(self) -> SnapshotMeta | None:
+        """Load the newest valid snapshot according to trainer.resume (its path becomes
+        `last_snapshot`); returns its record, or None when this launch starts at step 0."""
         mode = self.cfg.trainer.resume
         if mode == "never":
             if self.snapshots.has_any():
@@ -212,24 +212,27 @@ class Trainer:
                 raise UsageError(f"trainer.resume=require but {self.snapshots.snap_dir} holds no valid "
                                  f"snapshot; set trainer.resume=auto to start fresh")
             return None
-        path, meta = found
+        path, record = found
+        meta = SnapshotMeta.from_record(record)
         self._refuse_another_run(path, meta)
         # The optimizer hyper-parameters as this config builds them: they, not the snapshot's,
-        # run from the resume step on (put back after loading, below).
-        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        # run from the resume step on (put back after loading, below; the kernel flags are the
+        # strategy's, Strategy.load_state_dict).
+        configured = [{k: v for k, v in g.items() if k not in ("params", *OPTIMIZER_KERNEL_KEYS)}
+                      for g in self.optimizer.param_groups]
         tensors = self.state_tensors()
         # A rank's saved RNG streams belong to its position in the snapshot's (pp, dp, tp) mesh;
         # in another layout (or world size) that position may hold another role (a dp=2 rank 1
         # becomes a tp=2 peer of rank 0), so the streams are then derived from (seed, step, dp rank).
         stored = self.snapshots.stored_keys(path)
-        if meta.get("mesh") != self.layout() or meta.get("world_size") != self.strategy.env.world_size \
+        if meta.mesh != self.layout() or meta.world_size != self.strategy.env.world_size \
                 or not all(f"rng.{k}" in stored for k in tensors["rng"]):
             tensors.pop("rng")
-        self.snapshots.load(path, tensors, meta)  # meta: the record rank 0 validated and broadcast
+        self.snapshots.load(path, tensors, record)  # the record rank 0 validated and broadcast
         self.strategy.load_state_dict(tensors, self.optimizer)
-        if self.scaler is not None and meta.get("scaler"):
-            self.scaler.load_state_dict(meta["scaler"])
-        self.step = int(meta["step"])
+        if self.scaler is not None and meta.scaler:
+            self.scaler.load_state_dict(meta.scaler)
+        self.step = meta.step
         # The snapshot's param groups carry the lr, betas and weight decay it was trained with. Put
         # back the configured ones and rebuild the schedule at this step (it is a pure function of
         # the step), so what runs is what config.yaml says.
@@ -240,17 +243,17 @@ class Trainer:
             set_rng_state({dev: tensors["rng"][self._rng_key(dev)] for dev in rng_state()})
         else:
             seed_rng(self.cfg.trainer.seed, self.step, self.strategy.dp_rank)
-        self.tracker_run_id = meta.get("tracker_run_id")
-        self.last_snapshot = path
+        self.tracker_run_id = meta.tracker_run_id
+        self.last_snapshot = self.resumed_from = path
         self._note_schedule_change(meta)
-        return {**meta, "path": str(path)}
+        return meta
 
-    def _note_schedule_change(self, meta: dict) -> None:
+    def _note_schedule_change(self, meta: SnapshotMeta) -> None:
         """A resume runs the configured schedule from its step on (see resume), so training longer
         with lr_decay_steps=0 stretches the cosine and the LR jumps at the resume step: say so in
         one line (`schedule_note`), with the LR the snapshot's own schedule would have continued
-        with. A snapshot without its config (older runs) gets no note."""
-        old = meta.get("config") or {}
+        with. A snapshot whose config lacks those keys (older runs) gets no note."""
+        old = meta.config
         try:
             opt = dataclasses.replace(self.cfg.optimizer, **{
                 k: old["optimizer"][k] for k in ("lr", "min_lr", "warmup_steps", "lr_decay_steps")})
@@ -287,11 +290,10 @@ class Trainer:
                 f"optimizer.lr_decay_steps={decay} to keep this run's LR curve; to start fresh use another "
                 f"trainer.run_dir")
 
-    def _refuse_another_run(self, path: Path, meta: dict) -> None:
+    def _refuse_another_run(self, path: Path, meta: SnapshotMeta) -> None:
         """UsageError naming every setting that would make this launch another run than the
         snapshot's: another data stream (data_stream) or another model shape."""
-        old_cfg = meta.get("config", {})
-        recorded = meta.get("data_position", {})
+        old_cfg, recorded = meta.config, meta.data_position
 
         def was(dotted: str):
             section, key = dotted.split(".")
@@ -311,7 +313,7 @@ class Trainer:
             changes.append(f"corpus sha256={old_sha[:12]} (now {now['corpus_sha256'][:12]}: "
                            f"another text under data.path)")
             stream_changed = True
-        shape_changed = meta.get("fingerprint") != self.cfg.model_fingerprint()
+        shape_changed = meta.fingerprint != self.cfg.model_fingerprint()
         if shape_changed:
             current = dataclasses.asdict(self.cfg.model)
             for k, v in current.items():
@@ -324,6 +326,30 @@ class Trainer:
             what = " and ".join(w for w, on in (("model shape", shape_changed), ("data stream", stream_changed)) if on)
             raise UsageError(f"snapshot {path} was trained with {', '.join(changes)} (a different {what}); "
                              f"use the snapshot's values or another trainer.run_dir")
+
+    # ------------------------------------------------------------------ tracking
+
+    def open_tracker(self) -> None:
+        """Collective; call after resume(). The tracker rank starts the run tracker (metrics.jsonl,
+        and wandb: a resume continues the snapshot's wandb run); every rank learns the run id, which
+        the snapshots record."""
+        s = self.strategy
+        if s.is_tracker:
+            self.tracker = RunTracker(self.cfg, self.run_dir,
+                                      resume_step=self.step if self.resumed_from else None,
+                                      resume_run_id=self.tracker_run_id)
+        run_id = [self.tracker.run_id]
+        if s.env.distributed:
+            dist.broadcast_object_list(run_id, src=s.tracker_rank)
+        self.tracker_run_id = run_id[0]
+
+    def close_tracker(self, summary: dict | None = None, sample: str | None = None) -> None:
+        """End the tracker's run (on the tracker rank), with the run's summary and sample text."""
+        if sample is not None:
+            self.tracker.log_text("sample", sample)
+        if summary is not None:
+            self.tracker.summary({k: v for k, v in summary.items() if v is not None})
+        self.tracker.finish()
 
     # ------------------------------------------------------------------ loop
 
@@ -504,8 +530,7 @@ class Trainer:
     def write_model(self, path: Path, sd: dict) -> None:
         """model.pt: plain tensors + configs + tokenizer, loadable with torch.load(weights_only=True);
         written to a temporary name and renamed, so a reader never sees half a file."""
-        payload = {"model": sd, "model_config": self.model_config, "config": self.cfg.to_dict(),
-                   "tokenizer": self.tokenizer.to_dict(), "step": self.step}
+        payload = self.state_meta().model_file(sd)
         tmp = path.with_name(path.name + ".tmp")
         torch.save(payload, tmp)
         tmp.replace(path)

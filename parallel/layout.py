@@ -180,3 +180,21 @@ class Layout:
         if not distributed:
             return None
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+
+
+def describe(cfg: Config, layout: Layout, dp_engine: str) -> str:
+    """Each mesh dimension with what runs on it, e.g. 'pp 2 (1f1b, 4 micro-batches) x dp 2 (ddp
+    (...)) x tp 2 (megatron ...)'. `dp_engine` names the data-parallel strategy; it acts on the
+    dp dimension only, so a dp of 1 does not name it: a tp=2 run is not 'ddp'."""
+    p = cfg.parallel
+    pp = "pp 1"
+    if layout.pp_enabled:
+        per_rank = f", {p.pp_stages_per_rank} stages per rank" if p.pp_stages_per_rank > 1 else ""
+        pp = f"pp {layout.pp} ({p.pp_schedule}, {layout.microbatches} micro-batches{per_rank})"
+    dp = f"dp {layout.dp} ({dp_engine})" if layout.dp_enabled else "dp 1"
+    tp = "tp 1"
+    if layout.tp_enabled:
+        extras = (", vocab-parallel embedding + loss" if p.tp_vocab_parallel else "") + \
+                 (", sequence parallel" if p.sequence_parallel else "")
+        tp = f"tp {layout.tp} (megatron column/row split of every block{extras})"
+    return f"{pp} x {dp} x {tp}"

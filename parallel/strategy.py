@@ -33,7 +33,7 @@ from config import Config
 from model import GPT
 from parallel.dtensor import full_tensor, local_tensor, same_layout_groups
 from parallel.env import DistEnv
-from parallel.layout import Layout
+from parallel.layout import Layout, describe
 from parallel.parallelize import parallelize
 from parallel.scaler import make_grad_scaler
 from parallel.step import StepRunner
@@ -77,23 +77,10 @@ class Strategy:
         return self.env.rank == self.tracker_rank
 
     def describe(self) -> str:
-        """The layout for the start-up line, each mesh dimension with what runs on it, e.g.
-        'pp 2 (1f1b, 4 micro-batches) x dp 2 (ddp, ...) x tp 2 (megatron ...)'. parallel.strategy
-        acts on the dp dimension only, so a dp of 1 does not name it: a tp=2 run is not 'ddp'."""
-        p, lay = self.cfg.parallel, self.layout
-        if self.env.world_size == 1 and not lay.pp_enabled and not lay.tp_enabled:
+        """The layout for the start-up line, each mesh dimension with what runs on it (layout.describe)."""
+        if self.layout.world_size == 1:
             return self.describe_dp()  # one process: its strategy is the layout
-        pp = "pp 1"
-        if lay.pp_enabled:
-            per_rank = f", {p.pp_stages_per_rank} stages per rank" if p.pp_stages_per_rank > 1 else ""
-            pp = f"pp {lay.pp} ({p.pp_schedule}, {lay.microbatches} micro-batches{per_rank})"
-        dp = f"dp {lay.dp} ({self.describe_dp()})" if lay.dp_enabled else "dp 1"
-        tp = "tp 1"
-        if lay.tp_enabled:
-            extras = (", vocab-parallel embedding + loss" if p.tp_vocab_parallel else "") + \
-                     (", sequence parallel" if p.sequence_parallel else "")
-            tp = f"tp {lay.tp} (megatron column/row split of every block{extras})"
-        return f"{pp} x {dp} x {tp}"
+        return describe(self.cfg, self.layout, self.describe_dp())
 
     def describe_dp(self) -> str:
         """One phrase for what parallel.strategy does on the dp dimension, e.g. 'ddp (bucket 25 MB)'."""

@@ -76,7 +76,7 @@ def load(ckpt: str, name: str, overrides: str, out: Path) -> None:
 def buckets(out: Path) -> None:
     """Sizes below, at and above the world size, not multiples of it: every rank's slice of the
     mean equals the slice of the true mean, and all_gather rebuilds every tensor exactly."""
-    from parallel.zero import ShardBucket, ShardSpec
+    from parallel.zero_shard import ShardBucket, ShardSpec
     n, rank = dist.get_world_size(), dist.get_rank()
     sizes = [1, 2, n - 1, n, n + 1, 3 * n + 2, 37]
     gen = torch.Generator().manual_seed(0)

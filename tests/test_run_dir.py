@@ -21,16 +21,10 @@ from pathlib import Path
 
 import pytest
 
-# every module main.run() imports lazily, so a forked child that dropped its privileges (and can no
-# longer read the Python installation) has them already
-import char_dataset  # noqa: F401
+# main imports every module of the app at its top, so a forked child that dropped its privileges
+# (and can no longer read the Python installation) has them already
 import main as app
-import model  # noqa: F401
-import parallel.env  # noqa: F401
 import runlock
-import sample  # noqa: F401
-import tracking  # noqa: F401
-import trainer  # noqa: F401
 from harness import REPO, TINY, child_env, torchrun
 
 RUN = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "trainer.save_every=2"]

@@ -187,7 +187,7 @@ def test_metadata_reader_refuses_what_dcp_never_writes(trained, tmp_path):
     would set attributes on a class (which the C unpickler, with find_class alone, allows)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from snapshot import UnsafeSnapshot, read_dcp_metadata
+    from dcp_reader import UnsafeSnapshot, read_dcp_metadata
 
     md = read_dcp_metadata(snap(trained, 6))
     assert md.state_dict_metadata and "model.tok_emb.weight" in md.state_dict_metadata

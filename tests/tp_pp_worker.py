@@ -37,11 +37,9 @@ def main() -> None:
     out = Path(args.out)
     save_cases(args.case, args.steps, out, evaluate=True)
     import main as app
-    import parallel.env
-    parallel.env.shutdown = lambda: None  # keep the group for the next run of this launch
     codes = []
     for overrides in args.app:
-        codes.append(app.main(overrides.split()))
+        codes.append(app.main(overrides.split(), keep_process_group=True))  # one group for all runs
         dist.barrier()
     if dist.get_rank() == 0 and args.app:
         (out / "app_exit_codes.json").write_text(json.dumps(codes))
