@@ -446,8 +446,8 @@ _STRATEGY_ONLY = {
     "reduce_dtype": ("fsdp",),
     "cpu_offload": ("fsdp",),
     "bucket_cap_mb": ("ddp", "zero"),
-    "gradient_as_bucket_view": ("ddp", "zero"),
-    "static_graph": ("ddp", "zero"),
+    "gradient_as_bucket_view": ("ddp",),
+    "static_graph": ("ddp",),
 }
 
 
@@ -502,9 +502,9 @@ def _check_options_belong(p: ParallelConfig) -> None:
         if getattr(p, key) != getattr(defaults, key) and p.strategy not in owners:
             raise UsageError(f"parallel.{key} only applies to parallel.strategy="
                              f"{' or '.join(owners)}, not '{p.strategy}'; remove it or change strategy")
-    # Within zero, the DDP options mean something only where DDP or buckets are used: stage 1
-    # wraps DDP, stage 2 buckets its reduce-scatter, stage 3 is FSDP2 (no buckets).
-    zero_stages = {"bucket_cap_mb": (1, 2), "gradient_as_bucket_view": (1,), "static_graph": (1,)}
+    # Within zero, buckets mean something only where ZeRO-1/2's own engine is used (stage 3 is
+    # FSDP2, which gathers and reduces per fully_shard group).
+    zero_stages = {"bucket_cap_mb": (1, 2)}
     if p.strategy == "zero":
         for key, stages in zero_stages.items():
             if getattr(p, key) != getattr(defaults, key) and p.zero_stage not in stages:

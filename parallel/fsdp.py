@@ -6,7 +6,10 @@ the root group once). Each parameter is stored as a DTensor sharded on dim 0 ove
 a rank holds 1/n of parameters, gradients and AdamW state: 16a/n bytes for fp32 Adam with a
 parameters (plus padding: dim 0 is split with torch.chunk, so up to one dim-0 row per tensor).
 Forward and backward all-gather one block's parameters just in time; backward reduce-scatters its
-gradients (communication 3 x K(n-1)/n per step for K bytes of parameters, vs 2x for DDP).
+gradients (communication 3 x K(n-1)/n per step for K bytes of parameters, vs 2x for DDP; with
+reshard_after_forward off, backward reuses forward's gather: 2x). On gloo the reduce-scatter is
+parallel/collectives.py's (FSDP2's `set_custom_reduce_scatter` hook): gloo's own moves an
+all-reduce's volume.
 
 Options (all `parallel.`):
 - reshard_after_forward: free a block's gathered parameters after its forward (ZeRO-3) or keep
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from parallel.collectives import RingReduceScatter
 from parallel.step import DTYPES
 from parallel.strategy import Strategy
 
@@ -76,6 +80,9 @@ class FSDPStrategy(Strategy):
         for block in module.blocks.values():
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
+        if self.env.backend == "gloo":  # gloo's own reduce-scatter moves all-reduce volume
+            for m in [*module.blocks.values(), module]:
+                m.set_custom_reduce_scatter(RingReduceScatter())
         return module
 
     # clip_grad_norm_, full_grad_dict, state_dict/load_state_dict, full_model_state_dict and

@@ -28,7 +28,7 @@ MESH_DIMS = ("pp", "dp", "tp")
 # Data-parallel engines that hold plain tensors only: they cannot take tensor-parallel (DTensor)
 # parameters when dp > 1 (DDP broadcasts and reduces plain tensors: measured), and ZeRO-1/2's own
 # element sharding splits plain tensors (ZeRO-3 is FSDP2, which composes with tp and pp).
-_PLAIN_TENSOR_ENGINES = {("ddp", 0): "DDP", ("zero", 1): "DDP + element sharding",
+_PLAIN_TENSOR_ENGINES = {("ddp", 0): "DDP", ("zero", 1): "element sharding",
                          ("zero", 2): "element sharding"}
 
 

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from config import Config
 from model import lm_loss
 from parallel.dtensor import local_tensor
+from parallel.zero_shard import ZeroDataParallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
@@ -54,7 +55,7 @@ def gradient_sync(module: nn.Module, sync: bool):
     the gradients local (they are still accumulating)."""
     if isinstance(module, DistributedDataParallel) and not sync:
         return module.no_sync()
-    if isinstance(module, FSDPModule):  # FSDP2 has no no_sync(): a flag read by the next backward
+    if isinstance(module, (FSDPModule, ZeroDataParallel)):  # no no_sync(): a flag read by the next backward
         module.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 

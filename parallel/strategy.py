@@ -121,16 +121,7 @@ class Strategy:
         return self.runner.parts
 
     def param_groups(self) -> list[dict]:
-        """AdamW groups: decay matrices (embeddings, linear weights), not biases or LayerNorm."""
-        seen, decay, no_decay = set(), [], []
-        for part in self.unwrapped():
-            for p in part.parameters():
-                if not p.requires_grad or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                (decay if p.dim() >= 2 else no_decay).append(p)
-        return [{"params": decay, "weight_decay": self.cfg.optimizer.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]
+        return decay_groups(self.unwrapped(), self.cfg.optimizer.weight_decay)
 
     def adamw(self, groups: list[dict]) -> torch.optim.AdamW:
         """AdamW with the configured hyper-parameters: fused on plain tensors (CPU and CUDA both
@@ -223,6 +214,18 @@ class Strategy:
 
     def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return resident_bytes(self.unwrapped(), optimizer)
+
+
+def decay_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices (embeddings, linear weights), not biases or LayerNorm."""
+    seen, decay, no_decay = set(), [], []
+    for part in parts:
+        for p in part.parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def resident_bytes(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -11,19 +11,20 @@ Stages 1 and 2 shard by ELEMENT, not by tensor (parallel/zero_shard.py: each ran
 every tensor, to within one element per tensor).
 torch's ZeroRedundancyOptimizer assigns WHOLE tensors to ranks (greedy by size), which on a GPT
 leaves ranks unbalanced (measured in benchmarks/memory_per_strategy.py), and torch has no engine
-for stage 2 at all, so both are built here on reduce_scatter_single / all_gather_single (torch
-2.13's names for reduce_scatter_tensor / all_gather_into_tensor, which now warn as deprecated):
+for stage 2 at all, so both are built here, on a reduce-scatter that moves a ring's volume on
+every backend (parallel/collectives.py) and all_gather_single:
 
 - A rank's optimizer works on slices that are views into the full parameters' storage (no
   extra copy of the weights). AdamW state exists only for those slices. The shard plan (slices
-  and buckets) is fixed when the model is placed (`setup`).
-- stage 1: gradients are all-reduced by DDP (buckets, no_sync for accumulation, all DDP options);
-  each rank's optimizer steps its slice, then the updated slices are all-gathered into every
-  rank's full parameters. Traffic: DDP's all-reduce (2K(n-1)/n) + an all-gather (K(n-1)/n).
-- stage 2: no DDP. A post-accumulate-grad hook per parameter reduce-scatters each finished
-  bucket during backward and frees the full gradients, so only this rank's averaged slice
-  (4a/n) survives. This runs on EVERY micro-batch (slices accumulate): full gradients never pile
-  up, at the price of one reduce-scatter per micro-batch (no_sync does not apply).
+  and buckets) is fixed when the model is wrapped (`wrap_data_parallel`, during setup).
+- Gradients are reduce-scattered bucket by bucket during backward (`ZeroDataParallel`, the
+  engine module); after the optimizer step the updated slices are all-gathered into every rank's
+  full parameters. Traffic per step for K bytes of parameters: K(n-1)/n + K(n-1)/n = 2K(n-1)/n
+  per rank, what DDP's all-reduce moves (Rajbhandari et al. 2020, section 7).
+- stage 1 keeps full gradients (4a) and accumulates micro-batches locally: it reduces in the
+  last micro-batch's backward only. stage 2 reduces on EVERY micro-batch and frees the full
+  gradients, so only this rank's slice (4a/n) survives, at the price of one reduce-scatter per
+  micro-batch.
 - clip_grad_norm_ all-reduces the squared norms of the slices (the global norm); fp16 uses
   a grad scaler whose inf check is all-reduced over the dp group (parallel/scaler.py).
 - state_dict gathers the full AdamW state into plain tensors keyed by parameter name, exactly
@@ -43,12 +44,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from model import GPT
-from parallel.ddp import wrap_ddp
 from parallel.dtensor import full_tensor, local_tensor
 from parallel.fsdp import FSDPStrategy
-from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
-from parallel.zero_shard import ShardBucket, ShardPlan
+from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy, decay_groups
+from parallel.zero_shard import ShardPlan, ZeroDataParallel
 
 
 class ElementShardedZero(Strategy):
@@ -63,16 +62,13 @@ class ElementShardedZero(Strategy):
         return (f"zero-{self.stage} ({sharded} sharded by element over {self.dp_size} ranks, "
                 f"bucket {self.cfg.parallel.bucket_cap_mb:g} MB)")
 
-    @property
-    def dp_group(self):
-        return self.mesh["dp"].get_group() if self.dp_size > 1 else None
-
-    def setup(self, model: GPT) -> None:
-        """Place the model, then fix this rank's slices and the buckets (the optimizer, the
-        collectives and the state dicts all read this plan)."""
-        super().setup(model)
-        self.plan = ShardPlan(self.unwrapped(), self.param_groups(), self.dp_size, self.dp_rank,
-                              self.cfg.parallel.bucket_cap_mb, self.dp_group)
+    def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
+        """`module` under ZeroDataParallel, with this rank's shard plan (the optimizer, the
+        collectives and the state dicts all read it: `self.plan`)."""
+        group = self.mesh["dp"].get_group() if self.dp_size > 1 else None
+        self.plan = ShardPlan([module], decay_groups([module], self.cfg.optimizer.weight_decay), self.dp_size,
+                              self.dp_rank, self.cfg.parallel.bucket_cap_mb, group)
+        return ZeroDataParallel(module, self.plan, keep_full_grads=self.stage == 1)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW over this rank's slices."""
@@ -81,6 +77,8 @@ class ElementShardedZero(Strategy):
     def after_optimizer_step(self) -> None:
         super().after_optimizer_step()
         self.plan.gather_params()
+        for p in self.plan.shard:
+            p.grad = None  # stage 1's full gradients: the optimizer's zero_grad only sees the slices
 
     # ------------------------------------------------------------------ gradients
 
@@ -92,13 +90,35 @@ class ElementShardedZero(Strategy):
         for g in grads:
             sq += g.float().pow(2).sum()
         if self.dp_size > 1:
-            dist.all_reduce(sq, group=self.dp_group)
+            dist.all_reduce(sq, group=self.plan.group)
         norm = sq.sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
         return norm
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole reduced gradients, gathered from every rank's slices."""
+        plan = self.plan
+        full = plan.gather_full(lambda p: plan.shard[p].grad if plan.shard[p].grad is not None
+                                else torch.zeros(plan.spec[p].length, device=self.device))
+        return {plan.fqn[p]: g.detach().float().cpu().clone() for p, g in full.items()
+                if plan.shard[p].grad is not None}
+
+    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Adds the gradient slices' storage (stage 2: the reduce-scatter outputs, one storage per
+        bucket) when it is not already counted (stage 1: views into the full gradients)."""
+        out = super().resident_bytes(optimizer)
+        counted = {local_tensor(p.grad).untyped_storage().data_ptr() for p in self.plan.shard if p.grad is not None}
+        storages = {}
+        for s in self.plan.shard.values():
+            if s.grad is not None and s.grad.numel():
+                st = local_tensor(s.grad).untyped_storage()
+                if st.data_ptr() not in counted:
+                    storages[st.data_ptr()] = st.nbytes()
+        out["grads"] += sum(storages.values())
+        return out
 
     # ------------------------------------------------------------------ state
 
@@ -155,85 +175,17 @@ class ElementShardedZero(Strategy):
 
 
 class Zero1Strategy(ElementShardedZero):
-    """Stage 1: DDP all-reduces full gradients (bucketed, no_sync during accumulation, every DDP
-    option); each rank's optimizer reads its slice of them (views, no copy)."""
+    """Stage 1: full gradients accumulate locally and are reduce-scattered in the last
+    micro-batch's backward; each rank's optimizer reads its slice of them (views, no copy)."""
 
     stage = 1
 
-    def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
-        return wrap_ddp(module, self.cfg, self.layout, self.mesh, self.env)
-
-    def forward_backward(self, x, y, scale_loss=lambda l: l):
-        loss = super().forward_backward(x, y, scale_loss)
-        for p, s in self.plan.shard.items():  # the slices' gradients: views of the reduced full ones
-            spec = self.plan.spec[p]
-            s.grad = p.grad.view(-1)[spec.lo:spec.hi] if p.grad is not None else None
-        return loss
-
-    def after_optimizer_step(self) -> None:
-        super().after_optimizer_step()
-        for p in self.plan.shard:
-            p.grad = None  # the optimizer's zero_grad only sees the slices
-
 
 class Zero2Strategy(ElementShardedZero):
-    """Stage 2: gradients reduce-scattered bucket by bucket during backward; only the slice
-    stays (see module doc)."""
+    """Stage 2: gradients reduce-scattered bucket by bucket in every micro-batch's backward; only
+    the slice stays (see module doc)."""
 
     stage = 2
-
-    def setup(self, model: GPT) -> None:
-        super().setup(model)
-        self._end_of_backward_queued = False
-        for p in self.plan.shard:  # unique: a tied matrix gets one hook
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._end_of_backward_queued:  # flush unused parameters' buckets at the end
-            self._end_of_backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        bucket = self.plan.bucket_of[p]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._reduce(bucket)
-
-    def _reduce(self, bucket: ShardBucket) -> None:
-        with torch.no_grad():
-            fulls = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-            for p, part in zip(bucket.params, bucket.reduce_scatter(fulls)):
-                s = self.plan.shard[p]
-                if s.grad is None:
-                    s.grad = part
-                else:
-                    s.grad.add_(part)  # gradient accumulation: slices add up over micro-batches
-                p.grad = None
-        bucket.reduced = True
-
-    def _end_of_backward(self) -> None:
-        for b in self.plan.buckets:  # same buckets on every rank: parameters unused in this graph
-            if not b.reduced:
-                self._reduce(b)
-            b.ready, b.reduced = 0, False
-        self._end_of_backward_queued = False
-
-    def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        plan = self.plan
-        full = plan.gather_full(lambda p: plan.shard[p].grad if plan.shard[p].grad is not None
-                                else torch.zeros(plan.spec[p].length, device=self.device))
-        return {plan.fqn[p]: g.detach().float().cpu().clone() for p, g in full.items()
-                if plan.shard[p].grad is not None}
-
-    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Adds the gradient slices (views into the reduce-scatter outputs, one storage per
-        bucket) to the base count, which only sees the (freed) full gradients."""
-        out = super().resident_bytes(optimizer)
-        storages = {}
-        for s in self.plan.shard.values():
-            if s.grad is not None and s.grad.numel():
-                st = local_tensor(s.grad).untyped_storage()
-                storages[st.data_ptr()] = st.nbytes()
-        out["grads"] += sum(storages.values())
-        return out
 
 
 class Zero3Strategy(FSDPStrategy):

@@ -1,5 +1,6 @@
-"""ZeRO-1/2's element sharding: which slice of every tensor a rank owns, and the bucketed
-collectives that move those slices (the engine parallel/zero.py builds stages 1 and 2 on).
+"""ZeRO-1/2's engine: which slice of every tensor a rank owns, the bucketed collectives that
+move those slices, and `ZeroDataParallel`, the module wrapper that reduces gradients in backward
+(what DDP is to ddp; parallel/zero.py builds stages 1 and 2 on it).
 
 Every parameter is flattened and split with torch.chunk semantics (chunk = ceil(numel / n); rank r
 owns [r*chunk, (r+1)*chunk) clipped to the tensor), so each rank's share is 1/n of every tensor to
@@ -7,6 +8,15 @@ within one element per tensor. `ShardBucket` groups parameters (backward order,
 `parallel.bucket_cap_mb` per bucket) so one collective moves a whole bucket; `ShardPlan` is the
 plan of one model: each parameter's slice (a view into the full parameter's storage: the
 optimizer updates the weights in place, no extra copy) and its bucket.
+
+Gradients are reduce-scattered bucket by bucket during backward: a post-accumulate-grad hook per
+parameter counts the bucket's finished gradients and reduces the bucket when it is complete, so
+communication overlaps the rest of backward. Stage 1 keeps the full gradients (4a bytes) and
+accumulates micro-batches locally, reducing only in the last micro-batch's backward (the switch
+`set_requires_gradient_sync`, FSDP2's name for it); each rank's reduced slice is written into its
+region of the full gradient. Stage 2 reduces on every micro-batch and frees the full gradients,
+so only the slices (4a/n) survive. Either way a step moves a reduce-scatter and (after the
+optimizer) an all-gather: 2K(n-1)/n bytes per rank, DDP's volume.
 """
 from __future__ import annotations
 
@@ -18,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from parallel.collectives import reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,7 @@ class ShardSpec:
 
 class ShardBucket:
     """Tensors moved by one collective. The flat buffer is rank-major: viewed as (n, total),
-    row j holds rank j's slice of every tensor, each padded to its chunk, so reduce_scatter_single
+    row j holds rank j's slice of every tensor, each padded to its chunk, so a reduce-scatter
     hands rank j exactly row j and all_gather_single rebuilds every row."""
 
     def __init__(self, params: list[nn.Parameter], specs: list[ShardSpec], n: int, group):
@@ -63,7 +75,7 @@ class ShardBucket:
             out = packed.view(-1)
         else:
             out = packed.new_empty(self.total)
-            dist.reduce_scatter_single(out, packed.view(-1), group=self.group)  # gloo has no AVG
+            reduce_scatter(out, packed.view(-1), self.group)  # a sum: gloo has no AVG
             out.div_(self.n)
         return [out[o:o + s.length] for o, s in zip(self.offsets, self.specs)]
 
@@ -85,7 +97,7 @@ class ShardPlan:
 
     def __init__(self, parts: list[nn.Module], groups: list[dict], n: int, rank: int, bucket_cap_mb: float,
                  group):
-        self.n = n
+        self.n, self.group = n, group
         self.fqn = {p: name for part in parts for name, p in part.named_parameters()}
         self.spec: dict[nn.Parameter, ShardSpec] = {}
         self.shard: dict[nn.Parameter, nn.Parameter] = {}  # full parameter -> its slice (a view)
@@ -129,3 +141,55 @@ class ShardPlan:
         for b in self.buckets:
             for p, full in zip(b.params, b.all_gather([self.shard[p] for p in b.params])):
                 p.view(-1).copy_(full)
+
+
+class ZeroDataParallel(nn.Module):
+    """`module` with ZeRO-1/2's gradient reduction (module doc). `keep_full_grads`: stage 1."""
+
+    def __init__(self, module: nn.Module, plan: ShardPlan, keep_full_grads: bool):
+        super().__init__()
+        self.module, self.plan, self.keep_full_grads = module, plan, keep_full_grads
+        self.sync = True
+        self._end_queued = False
+        for p in plan.shard:  # unique: a tied matrix gets one hook
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        """False: the next backward only accumulates (stage 1; stage 2 always reduces)."""
+        self.sync = sync
+
+    @property
+    def reducing(self) -> bool:
+        return self.sync or not self.keep_full_grads
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._end_queued:  # at the end of backward: buckets with unused parameters, reset
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket = self.plan.bucket_of[p]
+        bucket.ready += 1
+        if self.reducing and bucket.ready == len(bucket.params):
+            self._reduce(bucket)
+
+    @torch.no_grad()
+    def _reduce(self, bucket: ShardBucket) -> None:
+        fulls = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        for p, full, part in zip(bucket.params, fulls, bucket.reduce_scatter(fulls)):
+            s, spec = self.plan.shard[p], self.plan.spec[p]
+            if self.keep_full_grads:  # stage 1: the mean slice, in place in the full gradient
+                p.grad = full
+                s.grad = full.view(-1)[spec.lo:spec.hi].copy_(part)
+            else:  # stage 2: slices add up over micro-batches; the full gradient goes
+                s.grad = part if s.grad is None else s.grad.add_(part)
+                p.grad = None
+        bucket.reduced = True
+
+    def _end_of_backward(self) -> None:
+        for b in self.plan.buckets:  # the same buckets on every rank, so every rank reduces them
+            if self.reducing and not b.reduced:
+                self._reduce(b)
+            b.ready, b.reduced = 0, False
+        self._end_queued = False
