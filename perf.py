@@ -195,15 +195,17 @@ class Peak:
     achieves: MFU is never reported above 1. A measured CPU peak that the run exceeds is measured
     again, once (and the cache file updated); a peak still exceeded, or a table or trainer.peak_flops
     peak exceeded, is flagged by one warning line (on stderr, where `report`) and MFU is 0 (unknown
-    peak) from then on."""
+    peak) from then on. Only the rank that reports MFU (`report`: the tracker rank) looks the peak
+    up: on the others it stays 0 (MFU 0, never logged), so a cold cache is measured by one process
+    on an otherwise idle machine, not by every rank at once competing for the same cores."""
 
     def __init__(self, device: torch.device, precision: str, override: float = 0.0, report: bool = True):
         self.precision = precision
         self.report = report
-        self.value, self.label = device_peak(device, precision, override)
+        self.value, self.label = device_peak(device, precision, override) if report else (0.0, "")
         self.source = ("trainer.peak_flops" if override > 0 else
                        f"the cache {peak_cache_path()}" if device.type == "cpu" else "the GPU table")
-        self.remeasure = override <= 0 and device.type == "cpu"
+        self.remeasure = report and override <= 0 and device.type == "cpu"
         self.flagged = False
 
     def _warn(self, text: str) -> None:

@@ -151,7 +151,7 @@ class Trainer:
         self.flops_per_token = strategy.flops_per_token
         set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
         self.peak = Peak(strategy.device, cfg.trainer.precision, cfg.trainer.peak_flops, strategy.is_tracker)
-        self.peak_label = self.peak.label
+        self.peak_label = self.peak.label  # "" on other ranks until open_tracker shares the tracker's
         self.held_bytes: dict[str, int] = {}  # Strategy.resident_bytes, read on log steps
         self.last_val_loss: float | None = None
         self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
@@ -338,10 +338,10 @@ class Trainer:
             self.tracker = RunTracker(self.cfg, self.run_dir,
                                       resume_step=self.step if self.resumed_from else None,
                                       resume_run_id=self.tracker_run_id)
-        run_id = [self.tracker.run_id]
+        shared = [self.tracker.run_id, self.peak_label]  # the peak is looked up on the tracker rank only
         if s.env.distributed:
-            dist.broadcast_object_list(run_id, src=s.tracker_rank)
-        self.tracker_run_id = run_id[0]
+            dist.broadcast_object_list(shared, src=s.tracker_rank)
+        self.tracker_run_id, self.peak_label = shared
 
     def close_tracker(self, summary: dict | None = None, sample: str | None = None) -> None:
         """End the tracker's run (on the tracker rank), with the run's summary and sample text."""

@@ -120,6 +120,18 @@ def test_a_peak_flops_override_that_a_run_exceeds_is_flagged_never_remeasured(tm
     assert not peak_cache.exists()  # nothing measured (a measurement is written to the cache)
 
 
+def test_only_the_reporting_rank_measures_the_cpu_peak(peak_cache, monkeypatch):
+    """Every rank builds a Peak; a cold cache must be measured once (by the tracker rank), not by
+    every rank at once on the same cores, which would also measure a peak too low."""
+    calls = []
+    monkeypatch.setattr(perf, "measure_cpu_peak", lambda precision: calls.append(precision) or 5e9)
+    other = perf.Peak(torch.device("cpu"), "fp32", report=False)
+    assert (other.value, other.label, calls) == (0.0, "", [])
+    assert other.mfu(1e6, 1e6, 1) == 0.0 and calls == []  # no peak, no MFU, never a re-measure
+    tracker = perf.Peak(torch.device("cpu"), "fp32", report=True)
+    assert tracker.value == 5e9 and calls == ["fp32"] and "measured" in tracker.label
+
+
 def test_a_damaged_peak_cache_is_measured_again_and_rewritten(tmp_path, peak_cache, capsys):
     peak_cache.parent.mkdir()
     peak_cache.write_bytes(b"\x00\xff{not json")
