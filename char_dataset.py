@@ -2,7 +2,8 @@
 
 Owns: reading the corpus (local file or http(s) URL downloaded once into a cache with a sha256
 check, with a clearly announced offline fallback), the `char` and `gpt2` tokenizers, the
-contiguous train/val split, and the order of training windows.
+contiguous train/val split, and the order of training windows (over a text's tokens in memory, or
+over token files on disk: token_files.py).
 
 The order of training windows is a pure function of (seed, step): step s of epoch e reads windows
 perm_e[k*B:(k+1)*B] of a per-epoch permutation, shifted by a per-epoch offset, where B is the
@@ -41,7 +42,8 @@ FALLBACK_RUN_DIR = "runs/python_stdlib"
 
 def _read_text(path: Path, what: str) -> str:
     if path.is_dir():
-        raise UsageError(f"{what} '{path}' is a folder; set data.path to a text file")
+        raise UsageError(f"{what} '{path}' is a folder without corpus.json; set data.path to a text file, "
+                         f"nanoGPT's train.bin or a folder written by prepare.py")
     if not path.is_file():
         raise UsageError(f"{what} '{path}' does not exist; set data.path to an existing text file or URL")
     raw = path.read_bytes()
@@ -262,32 +264,31 @@ class Batching:
     dp_size: int = 1
 
 
-class CharDataset:
-    """Token stream split contiguously: train = first (1 - val_fraction), val = the rest.
-    No window crosses the split, so no validation token is ever trained on."""
+class TokenDataset:
+    """Batches over a train and a val split of token ids: 1-D int64 tensors (CharDataset), or
+    token_files.TokenFiles, which read windows from files on disk through numpy.memmap. Both are
+    indexed the same way (`split[int tensor]`), so the batch order below is the same code for both."""
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, val_fraction: float, seed: int):
+    def __init__(self, train, val, block_size: int, seed: int, digest: str | None = None):
         self.block_size = block_size
         self.seed = seed
-        n = tokens.numel()
-        n_val = int(n * val_fraction)
-        self.train = tokens[: n - n_val].contiguous()
-        self.val = tokens[n - n_val:].contiguous()
+        self.train, self.val = train, val
         need = block_size + 1
-        if self.train.numel() < 2 * need or self.val.numel() < need:
-            raise UsageError(f"corpus has {n} tokens: too short for model.block_size={block_size} "
-                             f"(train needs >= {2 * need}, val >= {need}); use a longer text, a smaller "
-                             f"block_size or a larger data.val_fraction")
+        if train.numel() < 2 * need or val.numel() < need:
+            raise UsageError(f"corpus has {train.numel()} train and {val.numel()} val tokens: too short for "
+                             f"model.block_size={block_size} (train needs >= {2 * need}, val >= {need}); use a "
+                             f"longer corpus, a smaller block_size or a larger validation split")
         # Non-overlapping windows with room for a shift in [0, T) and the +1 target.
-        self.n_windows = (self.train.numel() - 1 - (block_size - 1)) // block_size
+        self.n_windows = (train.numel() - 1 - (block_size - 1)) // block_size
         self._perm_cache: tuple[int, torch.Tensor, int] | None = None
         self._arange = torch.arange(block_size + 1)
-        self._digest: str | None = None
+        self._digest = digest
 
     @property
     def digest(self) -> str:
-        """sha256 of the whole token stream (train + val): the corpus as this run reads it, so a
-        resume can tell whether the text under data.path changed (its path may change freely)."""
+        """The corpus identity a resume compares: given (a token corpus's recorded hash), or the sha256
+        of the whole token stream (train + val), so a resume can tell whether the text under
+        data.path changed (its path may change freely)."""
         if self._digest is None:
             h = hashlib.sha256()
             for part in (self.train, self.val):
@@ -307,7 +308,10 @@ class CharDataset:
     def _epoch(self, epoch: int) -> tuple[torch.Tensor, int]:
         if self._perm_cache is None or self._perm_cache[0] != epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            perm = torch.randperm(self.n_windows, generator=g)
+            # int32 where it fits: the same permutation (randperm draws the same) in half the memory,
+            # the one per-epoch cost that grows with the corpus (4 bytes per window)
+            dtype = torch.int32 if self.n_windows < 2**31 else torch.int64
+            perm = torch.randperm(self.n_windows, generator=g, dtype=dtype)
             shift = int(torch.randint(0, self.block_size, (1,), generator=g))
             self._perm_cache = (epoch, perm, shift)
         return self._perm_cache[1], self._perm_cache[2]
@@ -317,9 +321,9 @@ class CharDataset:
         spe = self.steps_per_epoch(global_batch)
         epoch, k = divmod(step, spe)
         perm, shift = self._epoch(epoch)
-        return shift + perm[k * global_batch:(k + 1) * global_batch] * self.block_size
+        return shift + perm[k * global_batch:(k + 1) * global_batch].long() * self.block_size
 
-    def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, data, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = data[starts[:, None] + self._arange]  # (B, T+1) in one gather
         return w[:, :-1], w[:, 1:]
 
@@ -339,3 +343,14 @@ class CharDataset:
         for i in range(n_batches):
             s = starts[i * b.global_batch:(i + 1) * b.global_batch]
             yield self._windows(self.val, s[b.dp_rank * per:(b.dp_rank + 1) * per])
+
+
+class CharDataset(TokenDataset):
+    """A token stream in memory (an encoded text), split contiguously: train = first
+    (1 - val_fraction), val = the rest. No window crosses the split, so no validation token is ever
+    trained on."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, val_fraction: float, seed: int):
+        n_val = int(tokens.numel() * val_fraction)
+        n = tokens.numel()
+        super().__init__(tokens[: n - n_val].contiguous(), tokens[n - n_val:].contiguous(), block_size, seed)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-from char_dataset import Batching, CharDataset
+from char_dataset import Batching, TokenDataset
 from config import Config, UsageError
 from parallel import Strategy
 from parallel.dtensor import local_tensor
@@ -59,7 +59,7 @@ def seed_rng(seed: int, step: int, dp_rank: int) -> None:
     torch.manual_seed(seed + 1 + dp_rank + 1_000_003 * step)
 
 
-def total_steps(cfg: Config, data: CharDataset) -> int:
+def total_steps(cfg: Config, data: TokenDataset) -> int:
     """trainer.max_epochs (when > 0) converted to optimizer steps, else trainer.max_steps."""
     t = cfg.trainer
     if t.max_epochs > 0:
@@ -125,7 +125,7 @@ class StopVote:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, data: CharDataset, tokenizer, strategy: Strategy, run_dir: Path,
+    def __init__(self, cfg: Config, data: TokenDataset, tokenizer, strategy: Strategy, run_dir: Path,
                  model_config: dict, data_source: str = "", init_from: str | None = None):
         """`data_source`: where the corpus came from (for the start-up view); `init_from`: the
         weights file the model was loaded from (model.init_from), None for a seeded init."""
@@ -311,7 +311,7 @@ class Trainer:
         if old_sha and old_sha != now["corpus_sha256"] and not any(
                 c.startswith(("data.truncate=", "data.tokenizer=")) for c in changes):
             changes.append(f"corpus sha256={old_sha[:12]} (now {now['corpus_sha256'][:12]}: "
-                           f"another text under data.path)")
+                           f"another corpus under data.path)")
             stream_changed = True
         shape_changed = meta.fingerprint != self.cfg.model_fingerprint()
         if shape_changed:
