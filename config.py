@@ -68,15 +68,31 @@ def has_redacted_credentials(url: str) -> bool:
     return REDACTED in url and redact_url(url) == url and redact_url(probe) != probe
 
 
+SIDECAR = "corpus.json"  # the record prepare.py writes into a token corpus folder (token_files.py)
+
+
+def token_corpus_kind(path: str) -> str:
+    """What kind of pre-tokenized corpus data.path names (token_files.py reads both): "bin" for
+    nanoGPT's raw uint16 train.bin, "folder" for prepare.py's output (a folder holding corpus.json,
+    or that file), "" for text (a file or URL; char_dataset refuses any other folder)."""
+    if path.startswith(("http://", "https://")):
+        return ""
+    if path.endswith(".bin"):
+        return "bin"
+    p = Path(path).expanduser()
+    return "folder" if p.name == SIDECAR or (p / SIDECAR).is_file() else ""
+
+
 @dataclass
 class DataConfig:
-    path: str = TINY_SHAKESPEARE_URL  # local file, or http(s) URL downloaded once into cache_dir
+    path: str = TINY_SHAKESPEARE_URL  # text file, http(s) URL downloaded once into cache_dir, or a token corpus
     sha256: str = TINY_SHAKESPEARE_SHA256  # expected hash of a downloaded file ("" = don't check)
     cache_dir: str = "~/.cache/mingpt-parallel"
     tokenizer: str = "char"  # char | gpt2
     truncate: int = 0  # keep only the first N characters (0 = whole corpus)
     val_fraction: float = 0.1  # the last fraction of the tokens is the validation split
     offline_fallback: bool = True  # URL unreachable and not cached: use the stdlib's .py text
+    val_path: str = ""  # nanoGPT .bin data.path: its val file ("" = val.bin beside it)
 
 
 @dataclass
@@ -347,6 +363,7 @@ def validate(cfg: Config) -> None:
     if d.sha256 and not (len(d.sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in d.sha256)):
         raise UsageError(f"data.sha256='{d.sha256[:70]}' is not a sha256 (64 hex digits); fix it or "
                          f"set it to '' to skip the check")
+    _validate_token_corpus(d)
     if not d.cache_dir:
         raise UsageError("data.cache_dir is empty; point it at a folder for downloaded corpora")
     if d.path.startswith(("http://", "https://")):  # the cache is only read for a URL
@@ -410,6 +427,29 @@ def validate(cfg: Config) -> None:
     _check_options_belong(p)
     _check_model_split(m, t, p)
     _validate_wandb(w)
+
+
+def _validate_token_corpus(d: DataConfig) -> None:
+    """Keys that mean something only for a text corpus, or only for a nanoGPT .bin (a token
+    corpus's split and length are fixed when it is prepared)."""
+    kind = token_corpus_kind(d.path)
+    if d.val_path and kind != "bin":
+        raise UsageError(f"data.val_path only applies when data.path is nanoGPT's train.bin, not "
+                         f"'{d.path}'; remove it")
+    if d.val_path and not d.val_path.endswith(".bin"):
+        raise UsageError(f"data.val_path='{d.val_path}' must be nanoGPT's val.bin (raw uint16 ids, a .bin "
+                         f"file); fix it or leave it empty for the val.bin beside data.path")
+    if kind == "bin" and d.tokenizer != "gpt2":
+        raise UsageError(f"data.path '{d.path}' is a nanoGPT .bin, which holds GPT-2 ids (its char "
+                         f"vocabulary would be in meta.pkl, a pickle this project never reads): set "
+                         f"data.tokenizer=gpt2, or tokenize the text with python prepare.py --tokenizer char")
+    if kind:
+        if d.truncate:
+            raise UsageError("data.truncate counts characters of a text corpus, and data.path is a token "
+                             "corpus; remove it (prepare a shorter corpus instead)")
+        if d.val_fraction != DataConfig.val_fraction:
+            raise UsageError(f"data.val_fraction splits a text corpus; a token corpus's split is fixed by "
+                             f"its files (prepare.py --val-fraction): remove data.val_fraction={d.val_fraction}")
 
 
 def _validate_wandb(w: WandbConfig) -> None:

@@ -34,12 +34,21 @@ from char_dataset import (
     FALLBACK_RUN_DIR,
     FALLBACK_SOURCE,
     CharDataset,
+    TokenDataset,
     build_tokenizer,
     load_corpus,
     load_tokenizer_record,
     save_tokenizer,
 )
-from config import TrainerConfig, UsageError, dump_yaml, load_config, redact_url, reject_dashed_overrides
+from config import (
+    TrainerConfig,
+    UsageError,
+    dump_yaml,
+    load_config,
+    redact_url,
+    reject_dashed_overrides,
+    token_corpus_kind,
+)
 from model import GPT, GPTConfig
 from parallel import build_strategy
 from parallel.env import init_distributed, shutdown
@@ -47,6 +56,7 @@ from pretrained import check_shape, check_tokenizer, load_initial, open_source
 from runlock import lock_run_dir
 from sample import default_prompt, generate_text, model_from_state
 from snapshot import list_snapshots
+from token_files import corpus_tokenizer, open_token_corpus
 from trainer import NonFiniteError, Trainer, seed_rng
 
 HERE = Path(__file__).resolve().parent
@@ -81,15 +91,25 @@ def build_trainer(cfg, env, run_dir: Path, corpus: tuple[str, str] | None = None
     load_corpus's (text, description) when the caller has loaded it already."""
     strategy = build_strategy(cfg, env)  # layout errors before any work
     # ---- data: the local leader downloads, everyone reads the same text
-    text, data_source = corpus or load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
+    token_corpus = open_token_corpus(cfg.data.path, cfg.data.tokenizer, cfg.data.val_path) \
+        if token_corpus_kind(cfg.data.path) else None  # pre-tokenized, read from disk (memmap)
+    if token_corpus is None:
+        text, data_source = corpus or load_corpus(cfg.data, is_local_leader=env.local_rank == 0, barrier=env.barrier)
+    else:
+        text, data_source = "", token_corpus.description
     stored = load_tokenizer_record(run_dir / "tokenizer.json") if cfg.trainer.resume != "never" else None
     # model.init_from only starts a run: with snapshots to resume from, their weights win.
     resuming = cfg.trainer.resume != "never" and bool(list_snapshots(run_dir / "snapshots"))
     source = open_source(cfg.model.init_from) if cfg.model.init_from and not resuming else None
     if source is not None:
         stored = check_tokenizer(source, cfg.data.tokenizer, stored)
-    tok = build_tokenizer(cfg.data.tokenizer, text, stored)
-    data = CharDataset(tok.encode(text), cfg.model.block_size, cfg.data.val_fraction, cfg.trainer.seed)
+    if token_corpus is None:
+        tok = build_tokenizer(cfg.data.tokenizer, text, stored)
+        data = CharDataset(tok.encode(text), cfg.model.block_size, cfg.data.val_fraction, cfg.trainer.seed)
+    else:  # the ids on disk fix the tokenizer: a run folder's or init_from's must be the same
+        tok = build_tokenizer(cfg.data.tokenizer, text, corpus_tokenizer(token_corpus, stored))
+        data = TokenDataset(token_corpus.train, token_corpus.val, cfg.model.block_size, cfg.trainer.seed,
+                            digest=token_corpus.digest)
     # ---- model: identical on every rank (same seed, or the same init_from file), then placed by the strategy
     torch.manual_seed(cfg.trainer.seed)
     gpt_cfg = GPTConfig(vocab_size=tok.vocab_size,

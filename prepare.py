@@ -1,0 +1,381 @@
+"""Tokenize text into a token corpus for data.path: `python prepare.py INPUT... --tokenizer gpt2|char
+--out DIR`, then train with `data.path=DIR data.tokenizer=gpt2|char`.
+
+INPUT: text files (UTF-8) and folders (every file under them not hidden, in sorted path order),
+read as one text in the order given. gpt2 appends <|endoftext|> (id 50256) after each file, as
+nanoGPT's openwebtext prepare does; char's vocabulary is the sorted set of all characters (a first,
+parallel pass collects it), so its ids are char_dataset.CharTokenizer's for the same text.
+
+Streaming, so a corpus larger than memory works: each file is cut into chunks of about
+--chunk-bytes at line breaks where tokenizing the pieces apart gives the same tokens as the whole (a
+"\\n" between two printable ASCII characters: no GPT-2 pre-token crosses it), worker processes
+tokenize them, and the ids are written in input order into shards of at most --shard-tokens ids as
+they arrive; at most 2 x --workers chunks are in flight.
+
+The validation split: the last --val-fraction of the input bytes, starting at the first such line
+break at or after that point (or at a file boundary). It is contiguous and no text is in both
+splits, like a text corpus's split (char_dataset.CharDataset), here fixed once in the files.
+
+DIR/corpus.json (token_files.CorpusRecord) is written last: the tokenizer, dtype (the smallest of
+uint8/uint16/uint32 that holds the vocabulary), per-shard token counts, hashes and probes, the
+largest id, and the sha256 of all token bytes, which a training run uses as the corpus identity.
+`python prepare.py --verify DIR` re-hashes every shard against it. Bad input: one line, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing
+import os
+import re
+import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from char_dataset import CharTokenizer, GPT2Tokenizer
+from config import SIDECAR, UsageError
+from token_files import (
+    FORMAT,
+    GPT2_VOCAB,
+    VERSION,
+    CorpusRecord,
+    Shard,
+    max_token,
+    probe,
+    read_record,
+    sha256_file,
+    smallest_dtype,
+)
+
+# A line break between two printable ASCII characters: every GPT-2 pre-token (tiktoken's r50k
+# regex) either ends before it or is the "\n" itself, so text cut after it tokenizes the same.
+SAFE_CUT = re.compile(rb"(?<=[!-~])\n(?=[!-~])")
+WINDOW = 64 << 10  # bytes read at a time while looking for a cut
+EOT = 50256  # GPT-2's <|endoftext|>
+# The progress bar: on a terminal only (tqdm's disable=None), and cleared when it ends, so an error
+# is the one line left on stderr.
+BAR = {"file": sys.stderr, "disable": None, "leave": False}
+
+
+@dataclass(frozen=True)
+class Task:
+    split: str  # train | val
+    path: str
+    start: int  # byte range [start, end) of the file
+    end: int
+    last_of_file: bool
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def list_inputs(inputs: list[str]) -> list[Path]:
+    files = []
+    for name in inputs:
+        p = Path(name).expanduser()
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file()
+                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            if not found:
+                raise UsageError(f"input folder {p} holds no files; give text files or folders of them")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise UsageError(f"input {p} does not exist; give text files or folders of them")
+    files = [f for f in files if f.stat().st_size > 0]
+    if not files:
+        raise UsageError("every input is empty; give text to tokenize")
+    return files
+
+
+def next_cut(f, size: int, pos: int) -> int:
+    """The first position >= pos right after a SAFE_CUT line break, or size."""
+    start = max(pos - 2, 0)  # the look-behind byte of a "\n" at pos - 1
+    while start < size:
+        f.seek(start)
+        window = f.read(WINDOW)
+        m = SAFE_CUT.search(window, max(pos - 1 - start, 0))
+        if m:
+            return start + m.end()
+        if start + len(window) >= size:
+            break
+        start += len(window) - 2  # overlap: a "\n" at the window's end needs its look-ahead byte
+    return size
+
+
+def plan(files: list[Path], chunk_bytes: int, val_fraction: float) -> list[Task]:
+    """Chunks of every file, the ones from the val cut on marked val (see the module docstring)."""
+    spans = []  # (path, start, end, global start)
+    offset = 0
+    for p in files:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            start = 0
+            while start < size:
+                end = next_cut(f, size, start + chunk_bytes)
+                spans.append((p, start, end, offset + start))
+                start = end
+        offset += size
+    total = offset
+    target = total - int(total * val_fraction)
+    i = next(i for i, s in enumerate(spans) if s[3] <= target < s[3] + s[2] - s[1])
+    p, start, end, g = spans[i]
+    with open(p, "rb") as f:
+        cut = next_cut(f, end, target - g + start)
+    if start < cut < end:  # split the chunk holding the target at the cut
+        spans[i:i + 1] = [(p, start, cut, g), (p, cut, end, g + cut - start)]
+        first_val = i + 1
+    elif i + 1 < len(spans):
+        first_val = i + 1  # no cut after the target in this chunk: its end is one
+    elif i > 0:
+        first_val = i
+    else:
+        raise UsageError(f"cannot split the input into train and val: it has no line break between two "
+                         f"printable characters near its last {val_fraction:.0%}; give more text")
+    return [Task("val" if k >= first_val else "train", str(p), s, e,
+                 k + 1 == len(spans) or spans[k + 1][0] != p)
+            for k, (p, s, e, _) in enumerate(spans)]
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+_tok = None  # this worker's tokenizer (_tokenizer)
+
+
+def _tokenizer(kind: str, chars: str | None):
+    """This worker's tokenizer, built once per vocabulary (the pool serves both passes of char)."""
+    global _tok
+    if _tok is None or _tok.kind != kind or (kind == "char" and _tok.chars != chars):
+        _tok = GPT2Tokenizer() if kind == "gpt2" else CharTokenizer(chars)
+    return _tok
+
+
+def _text(t: Task) -> str:
+    with open(t.path, "rb") as f:
+        f.seek(t.start)
+        raw = f.read(t.end - t.start)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"input {t.path} is not UTF-8 text (byte {t.start + e.start}); convert it with "
+                         f"iconv -t utf-8 or leave it out") from None
+
+
+def _chars(job: tuple[Task, str, str | None]) -> str:
+    return "".join(set(_text(job[0])))
+
+
+def _encode(job: tuple[Task, str, str | None]) -> np.ndarray:
+    t, kind, chars = job
+    ids = _tokenizer(kind, chars).encode(_text(t)).numpy()
+    if t.last_of_file and kind == "gpt2":
+        ids = np.append(ids, EOT)
+    return ids
+
+
+class InProcess:
+    """--workers 1: the tasks run in this process, with no pool to start (what Pool offers in_order)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def apply_async(self, fn, args: tuple):
+        return Done(fn(*args))
+
+
+@dataclass
+class Done:
+    value: object
+
+    def get(self):
+        return self.value
+
+
+def in_order(pool, fn, tasks: list[Task], extra: tuple, window: int, bar: tqdm):
+    """pool results of fn((task, *extra)) over tasks, in task order, with at most `window` in
+    flight, so memory stays bounded whatever the corpus size (Pool.imap would queue them all)."""
+    pending: deque = deque()
+    for t in tasks:
+        pending.append((t, pool.apply_async(fn, ((t, *extra),))))
+        if len(pending) >= window:
+            done, result = pending.popleft()
+            yield result.get()
+            bar.update(done.end - done.start)
+    while pending:
+        done, result = pending.popleft()
+        yield result.get()
+        bar.update(done.end - done.start)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _dtype_code(dtype: str) -> str:
+    """Little-endian on every machine: what token_files reads."""
+    return {"uint8": "u1", "uint16": "<u2", "uint32": "<u4"}[dtype]
+
+
+class ShardWriter:
+    """One split's shards: ids appended in order, a new file every `shard_tokens` ids."""
+
+    def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int):
+        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
+        self.shards: list[Shard] = []
+        self._file = None
+        self._hash = None
+        self._count = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        """ids: already in the file dtype (_dtype_code)."""
+        while ids.size:
+            if self._file is None:
+                name = f"{self.split}_{len(self.shards):06d}.bin"
+                self._file, self._hash, self._count = open(self.out / name, "wb"), hashlib.sha256(), 0
+            take = ids[: self.shard_tokens - self._count]
+            data = take.tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._count += take.size
+            ids = ids[take.size:]
+            if self._count == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        path = Path(self._file.name)
+        self._file.close()
+        self.shards.append(Shard(path.name, self._count, self._hash.hexdigest(), probe(path, self.dtype)[0]))
+        self._file = None
+
+    def close(self) -> list[Shard]:
+        if self._file is not None:
+            self._close_shard()
+        return self.shards
+
+
+def prepare(inputs: list[str], kind: str, out: Path, workers: int, val_fraction: float,
+            chunk_bytes: int, shard_tokens: int) -> CorpusRecord:
+    files = list_inputs(inputs)
+    tasks = plan(files, chunk_bytes, val_fraction)
+    total = sum(t.end - t.start for t in tasks)
+    if kind == "gpt2":
+        GPT2Tokenizer()  # the BPE ranks load here first: one clear error instead of one per worker
+    # spawn, not fork: workers inherit no torch thread pools (OpenMP is not fork-safe)
+    with multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else InProcess() as pool:
+        chars = None
+        if kind == "char":
+            with tqdm(total=total, unit="B", unit_scale=True, desc="vocabulary", **BAR) as bar:
+                seen: set[str] = set()
+                for part in in_order(pool, _chars, tasks, (kind, None), 2 * workers, bar):
+                    seen.update(part)
+            chars = "".join(sorted(seen))
+        vocab = GPT2_VOCAB if kind == "gpt2" else len(chars)
+        dtype = smallest_dtype(vocab)
+        writers = {s: ShardWriter(out, s, dtype, shard_tokens) for s in ("train", "val")}
+        stream, biggest = hashlib.sha256(), 0
+        with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", **BAR) as bar:
+            for task, ids in zip(tasks, in_order(pool, _encode, tasks, (kind, chars), 2 * workers, bar)):
+                if ids.size:
+                    ids = ids.astype(_dtype_code(dtype))
+                    writers[task.split].write(ids)
+                    stream.update(ids.tobytes())
+                    biggest = max(biggest, int(ids.max()))
+    train, val = writers["train"].close(), writers["val"].close()
+    if not train or not val:
+        raise UsageError(f"the {'train' if not train else 'val'} split holds no tokens; give more text or "
+                         f"change --val-fraction")
+    tok = {"kind": "gpt2", "encoding": "r50k_base"} if kind == "gpt2" else {"kind": "char", "chars": chars}
+    rec = CorpusRecord(FORMAT, VERSION, tok, vocab, dtype, biggest, stream.hexdigest(), train, val,
+                       val_fraction, [str(f) for f in files])
+    tmp = out / (SIDECAR + ".tmp")
+    tmp.write_text(rec.to_json(), encoding="utf-8")
+    os.replace(tmp, out / SIDECAR)  # last: a folder without it is unfinished
+    return rec
+
+
+def verify(folder: Path) -> CorpusRecord:
+    """Re-hash and re-scan every shard against DIR/corpus.json (what a launch only probes)."""
+    rec = read_record(folder / SIDECAR)
+    stream = hashlib.sha256()
+    for split in ("train", "val"):
+        for s in getattr(rec, split):
+            p = folder / s.file
+            item = np.dtype(rec.dtype).itemsize
+            if not p.is_file() or p.stat().st_size != s.tokens * item:
+                raise UsageError(f"{p} is missing or not {s.tokens} tokens long; prepare the corpus again")
+            if sha256_file(p) != s.sha256:
+                raise UsageError(f"{p} does not match its sha256 in {SIDECAR}; prepare the corpus again")
+            if max_token(p, rec.dtype)[0] > rec.max_token:
+                raise UsageError(f"{p} holds an id above the max_token of {SIDECAR}; prepare the corpus again")
+            with open(p, "rb") as f:
+                while block := f.read(16 << 20):
+                    stream.update(block)
+    if stream.hexdigest() != rec.sha256:
+        raise UsageError(f"the shards of {folder} do not hash to the sha256 of {SIDECAR}; prepare the corpus again")
+    return rec
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"{message}; see python prepare.py --help")
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("inputs", nargs="*", metavar="INPUT", help="text files or folders")
+    ap.add_argument("--tokenizer", choices=("gpt2", "char"), help="gpt2 (tiktoken r50k_base) or char")
+    ap.add_argument("--out", help="new (or empty) folder for the shards and corpus.json")
+    ap.add_argument("--val-fraction", type=float, default=0.1, help="last fraction of the input bytes held out "
+                    "for validation (default %(default)s)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes "
+                    "(default: the CPU count, %(default)s; 1: in this process)")
+    ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="ids per shard file (default %(default)s)")
+    ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="text per worker task (default %(default)s)")
+    ap.add_argument("--verify", metavar="DIR", help="re-hash a prepared folder's shards against its corpus.json")
+    out, fresh = None, False  # fresh: this launch may delete what is in `out` when it fails
+    try:
+        args = ap.parse_args(argv)
+        if args.verify:
+            rec = verify(Path(args.verify).expanduser())
+            print(f"ok: {args.verify} matches {SIDECAR} ({sum(s.tokens for s in rec.train + rec.val):,} tokens)")
+            return 0
+        if not args.inputs or not args.tokenizer or not args.out:
+            raise UsageError("give INPUT..., --tokenizer gpt2|char and --out DIR (or --verify DIR)")
+        if not 0.0 < args.val_fraction < 1.0:
+            raise UsageError(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
+        for name in ("workers", "shard_tokens", "chunk_bytes"):
+            if getattr(args, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        out = Path(args.out).expanduser()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise UsageError(f"--out {out} exists and is not an empty folder; name a new folder")
+        out.mkdir(parents=True, exist_ok=True)
+        fresh = True
+        rec = prepare(args.inputs, args.tokenizer, out, args.workers, args.val_fraction, args.chunk_bytes,
+                      args.shard_tokens)
+        fresh = False
+        n_train, n_val = sum(s.tokens for s in rec.train), sum(s.tokens for s in rec.val)
+        print(f"wrote {out}: {n_train:,} train + {n_val:,} val tokens in {len(rec.train) + len(rec.val)} "
+              f"{rec.dtype} shards, vocabulary {rec.vocab_size}; train with data.path={out} "
+              f"data.tokenizer={args.tokenizer}")
+        return 0
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if fresh:  # a failed run leaves no half-written shards behind (--out was new or empty)
+            for p in out.iterdir():
+                p.unlink()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
