@@ -122,12 +122,16 @@ def plan(files: list[Path], chunk_bytes: int, val_fraction: float) -> list[Task]
                 start = end
         offset += size
     total = offset
+    if int(total * val_fraction) == 0:
+        raise UsageError(f"--val-fraction {val_fraction} of {total} bytes leaves no validation text; raise it")
     target = total - int(total * val_fraction)
     i = next(i for i, s in enumerate(spans) if s[3] <= target < s[3] + s[2] - s[1])
     p, start, end, g = spans[i]
     with open(p, "rb") as f:
         cut = next_cut(f, end, target - g + start)
-    if start < cut < end:  # split the chunk holding the target at the cut
+    if cut == start and i > 0:
+        first_val = i  # the chunk starts at the target
+    elif start < cut < end:  # split the chunk holding the target at the cut
         spans[i:i + 1] = [(p, start, cut, g), (p, cut, end, g + cut - start)]
         first_val = i + 1
     elif i + 1 < len(spans):
@@ -268,8 +272,12 @@ def prepare(inputs: list[str], kind: str, out: Path, workers: int, val_fraction:
     total = sum(t.end - t.start for t in tasks)
     if kind == "gpt2":
         GPT2Tokenizer()  # the BPE ranks load here first: one clear error instead of one per worker
-    # spawn, not fork: workers inherit no torch thread pools (OpenMP is not fork-safe)
-    with multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else InProcess() as pool:
+    # fork on Linux: a worker starts in milliseconds instead of re-importing torch (seconds each, as
+    # spawn does). The pool forks before this process has run any torch op or started a thread (the
+    # bars come after), and the workers run none (tokenizers: tiktoken and numpy), so no OpenMP or
+    # thread state is inherited half-way. Elsewhere (macOS: fork is unsafe there) spawn.
+    method = "fork" if sys.platform == "linux" else "spawn"
+    with multiprocessing.get_context(method).Pool(workers) if workers > 1 else InProcess() as pool:
         chars = None
         if kind == "char":
             with tqdm(total=total, unit="B", unit_scale=True, desc="vocabulary", **BAR) as bar:

@@ -13,16 +13,18 @@ A split is a list of files read as one token stream (`TokenFiles`): a batch gath
 through a numpy.memmap opened for that read and dropped after it (as nanoGPT does), so resident
 memory holds the batch, not the corpus, however long the run.
 
-What a launch checks, and what it costs (measured on this project's 2-core CPU machine: a max over
-1 GB of uint16 read in chunks 0.3 s, its sha256 1.7 s):
+What a launch checks, and what it costs (benchmarks/token_corpus.py on this project's 2-core CPU
+machine, the file in the page cache: a chunked max over 1 GiB of uint16 0.05-0.3 s, its sha256
+0.8-1.7 s; from a cold disk both take the disk's read time):
 - every file: its size against the dtype and the recorded token count (a truncated shard);
 - prepare.py's folder: the dtype holds the vocabulary, the sidecar's largest id is below it, and the
   `probe` of every shard (16 blocks of 64 KiB spread over it, the whole file when smaller: 1 MiB
   read per shard, however large) matches the sidecar, with no id there >= the vocabulary. The whole
   files were hashed and scanned once, when prepare.py wrote them: a launch trusts that record
   instead of re-hashing gigabytes. `python prepare.py --verify DIR` re-hashes everything.
-- a nanoGPT .bin has no record: a chunked max over both files (0.3 s per GB) proves every id is a
-  GPT-2 id, and its identity for a resume is the sha256 of the sizes and probes of both files.
+- a nanoGPT .bin has no record: a chunked max over both files (a read of every byte, no hash) proves
+  every id is a GPT-2 id, and its identity for a resume is the sha256 of the sizes and probes of
+  both files (a replaced or re-tokenized file changes them; a few edited ids between probes do not).
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ run folder untouched."""
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,7 +49,7 @@ def prepared(tmp_path_factory, corpus):
     return root, text[:cut], text[cut:]
 
 
-def test_prepare_streams_the_tokenizers_ids_into_shards_with_a_line_break_val_split(prepared, capsys):
+def test_prepare_streams_the_tokenizers_ids_into_shards_with_a_line_break_val_split(prepared, tmp_path, capsys):
     root, a, c = prepared
     gpt2, char = GPT2Tokenizer(), CharTokenizer.from_corpus(a + c)
     # the ids of a whole-text encode (chunks cut where it changes nothing), <|endoftext|> after each file
@@ -64,6 +66,14 @@ def test_prepare_streams_the_tokenizers_ids_into_shards_with_a_line_break_val_sp
     for kind in ("gpt2", "char"):
         assert prepare.main(["--verify", str(root / kind)]) == 0
     assert "ok: " in capsys.readouterr().out
+    # --verify re-hashes whole shards: it finds a changed byte wherever it is
+    shutil.copytree(root / "char", tmp_path / "changed")
+    shard = tmp_path / "changed" / "train_000003.bin"
+    data = bytearray(shard.read_bytes())
+    data[123_456] = (data[123_456] + 1) % 65
+    shard.write_bytes(bytes(data))
+    assert prepare.main(["--verify", str(tmp_path / "changed")]) == 2
+    assert "does not match its sha256" in capsys.readouterr().err
 
 
 def test_batches_from_shards_equal_the_in_memory_ones_at_every_dp_size(prepared):
@@ -90,6 +100,16 @@ def test_batches_from_shards_equal_the_in_memory_ones_at_every_dp_size(prepared)
         assert torch.equal(x, x2) and torch.equal(y, y2)
 
 
+class Unpickled:
+    """Unpickling it creates the file `marker` (pickle calls Path.touch)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path(self.marker).touch, ())
+
+
 def test_a_1gb_token_file_trains_without_resident_memory_growing_with_it(tmp_path):
     """Two launches differ only in the size of train.bin (sparse: no disk or page cache filled): the
     1 GB one's peak resident memory may exceed the 100 KB one's by < 10% of the file. What does grow
@@ -101,13 +121,16 @@ def test_a_1gb_token_file_trains_without_resident_memory_growing_with_it(tmp_pat
         with open(folder / "train.bin", "wb") as f:
             f.truncate(size)  # uint16 id 0 everywhere
         (np.arange(5000) % GPT2_VOCAB).astype(np.uint16).tofile(folder / "val.bin")
-        r = python(["main.py", *ON_TOKENS, f"data.path={folder / 'train.bin'}", "trainer.max_steps=10",
-                    "model.block_size=64", "trainer.peak_flops=1e12",  # no peak measured: a fair baseline
+        # nanoGPT's meta.pkl is never unpickled: this one would leave a file behind if it were
+        (folder / "meta.pkl").write_bytes(pickle.dumps(Unpickled(str(folder / "unpickled"))))
+        r = python(["main.py", *ON_TOKENS, f"data.path={folder / 'train.bin'}", "trainer.max_steps=4",
+                    "trainer.log_every=2", "trainer.eval_every=100", "model.block_size=64", "trainer.peak_flops=1e12",  # no peak measured: a fair baseline
                     "trainer.sample_tokens=0", f"trainer.run_dir={folder / 'run'}"], timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
         peaks[name] = max(row["rss_peak_mb"] for row in rows if "rss_peak_mb" in row)
         (folder / "train.bin").unlink()
+        assert not (folder / "unpickled").exists()
     print(f"peak RSS: {peaks['small']:.0f} MB on 100 KB, {peaks['big']:.0f} MB on 1 GB")
     assert peaks["big"] - peaks["small"] < 0.1 * 1024, peaks
 
