@@ -236,8 +236,8 @@ def corpus_tokenizer(corpus: TokenCorpus, stored: dict | None) -> dict:
         return stored if stored is not None else corpus.tokenizer
     if stored != corpus.tokenizer:
         raise UsageError(f"{corpus.description.split(' (')[0]} was prepared with another character vocabulary "
-                         f"than this run's (its tokenizer.json, or model.init_from's): the ids would mean other "
-                         f"characters; use another trainer.run_dir, or prepare the corpus for this vocabulary")
+                         f"than this run's (its tokenizer.json, or model.init_from's): its ids would mean other "
+                         f"characters; use another trainer.run_dir (or the corpus the run was trained on)")
     return stored
 
 

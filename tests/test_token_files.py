@@ -262,6 +262,24 @@ def test_the_same_corpus_elsewhere_resumes_and_python_main_py_says_one_line(prep
     assert "Traceback" not in r.stdout + r.stderr and digests(run) == before
 
 
+def test_a_char_run_refuses_a_corpus_of_another_vocabulary(prepared, tmp_path, capsys):
+    """The ids of a char corpus mean the characters of its own vocabulary: a run folder that learned
+    another mapping (its tokenizer.json) is refused, even where every shard is intact."""
+    root, _, _ = prepared
+    run = tmp_path / "run"
+    char = [*ON_TOKENS, "data.tokenizer=char", "trainer.max_steps=2", "trainer.sample_tokens=0", f"trainer.run_dir={run}"]
+    assert app.main(char + [f"data.path={root / 'char'}", "trainer.save_every=2"]) == 0
+    before = digests(run)
+    shutil.copytree(root / "char", tmp_path / "swapped")
+    chars = json.loads((root / "char" / SIDECAR).read_text())["tokenizer"]["chars"]
+    edit_sidecar(tmp_path / "swapped", tokenizer={"kind": "char", "chars": chars[1] + chars[0] + chars[2:]})
+    capsys.readouterr()
+    assert app.main(char + [f"data.path={tmp_path / 'swapped'}", "trainer.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was prepared with another character vocabulary" in err, err
+    assert digests(run) == before
+
+
 def test_open_reads_only_what_the_sidecar_names(prepared):
     """The corpus opens from its folder or its corpus.json, and its identity is the recorded hash."""
     root, _, _ = prepared
