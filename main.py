@@ -81,8 +81,36 @@ def parse_args(argv):
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
     ap.add_argument("--print-config", action="store_true",
                     help="print the whole resolved config at start-up (it is always written to <run_dir>/config.yaml)")
+    plan = ap.add_argument_group("plan a layout (no processes are launched)")
+    plan.add_argument("--plan", action="store_true",
+                      help="print the predicted per-rank memory and bytes moved of this config's layout and of "
+                           "every other layout on --world-size ranks, then exit")
+    plan.add_argument("--world-size", type=int, default=None,
+                      help="ranks to plan for (default: WORLD_SIZE under torchrun, else 1)")
+    plan.add_argument("--device-memory", default=None, help="flag layouts whose peak exceeds this, e.g. 80GB")
+    plan.add_argument("--plan-json", default=None, metavar="PATH", help="also write the plan as JSON to PATH")
+    plan.add_argument("--explain", action="store_true", help="with --plan: every formula and its source")
     ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
     return ap.parse_args(argv)
+
+
+def print_plan(args, cfg) -> int:
+    """--plan: predictions for every layout on --world-size ranks (planner.py); no process group."""
+    from config import UsageError
+    from planner import parse_bytes, plan, render
+    world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world}")
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    result = plan(cfg, world, memory)
+    if args.plan_json:
+        try:
+            Path(args.plan_json).write_text(result.to_json(), encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--plan-json '{args.plan_json}' cannot be written ({e.strerror}); "
+                             f"give a path in a writable folder") from None
+    print(render(result, explain=args.explain), flush=True)
+    return 0
 
 
 def build_trainer(cfg, env, run_dir: Path, corpus: tuple[str, str] | None = None):
@@ -168,6 +196,10 @@ def run(argv, keep_process_group: bool = False) -> int:
     end, for a caller that runs several launches in one torchrun job (the tests' workers)."""
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if args.plan:
+        return print_plan(args, cfg)
+    if args.world_size is not None or args.device_memory is not None or args.plan_json or args.explain:
+        raise UsageError("--world-size, --device-memory, --plan-json and --explain only apply with --plan; add --plan")
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
     env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
     lock = None

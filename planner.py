@@ -1,0 +1,787 @@
+"""Predict what a parallel layout costs before any process is launched: `python main.py --plan`.
+
+Owns `plan(cfg, world_size, device_memory)`, which returns a `Plan`: one `LayoutPlan` record per
+layout (the configured one first, then every alternative that `config.validate` and the
+strategies' own `validate_layout` accept for the world size), each with the predicted per-rank
+bytes of parameters, gradients, optimizer state, activations, transients and communication
+buffers, and the bytes each collective moves per optimizer step. Pure arithmetic on the config:
+no process group, no tensors. Every record is a dataclass that `dataclasses.asdict` turns into
+JSON (`--plan-json`), so a report that measures layouts can put its numbers next to these.
+
+Where the numbers come from (each is checked against measurement in tests/test_planner.py):
+- Parameters: the shapes of model.py's GPT (`parameter_inventory`), placed by the same rules as
+  parallel/: pipeline stages from parallel.pp (the tied embedding/head keeps a copy on the first
+  and the last stage), Megatron column/row splits of parallel/tp.py (torch.chunk rows/columns),
+  ZeRO-1/2 element slices of parallel/zero.py (ceil(numel / n) per tensor) and FSDP2's dim-0
+  shards (ceil(dim0 / n) rows per tensor). fp32 AdamW: parameters 4 bytes, gradients 4, state 8
+  per element; with `a` parameters on n ranks that is the ZeRO paper's (Rajbhandari et al. 2020)
+  16a (ddp), 4a + 4a + 8a/n (stage 1), 4a + 12a/n (stage 2), 16a/n (stage 3 / fsdp).
+- Activations: the tensors autograd saves for backward in THIS model's forward, read off a
+  measurement with torch.autograd.graph.saved_tensors_hooks; the per-block count is Korthikanti
+  et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 1:
+  sbh(34 + 5as/h) bytes in 16-bit) adapted: SDPA's fused kernel keeps q, k, v, its output and a
+  logsumexp instead of the 5as^2b attention matrices, and each term carries the dtype it really
+  has (see `block_activation_bytes`).
+- Bytes moved: a ring's volume per rank (all-reduce 2K(n-1)/n, reduce-scatter and all-gather
+  K(n-1)/n for K bytes) for every collective the layout needs per optimizer step.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from config import Config, ParallelConfig, UsageError, validate
+from model import GPTConfig
+from parallel import strategy_class
+from parallel.mesh import DistEnv
+from parallel.pp import stage_block_counts, stage_to_pp_rank
+
+GPT2_VOCAB = 50257  # tiktoken r50k_base, the GPT-2 BPE (char_dataset.GPT2Tokenizer)
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+PARAM_BYTES = 4  # the model's parameters (and so their gradients) are fp32 under every precision
+DP_STRATEGIES = ("ddp", "zero-1", "zero-2", "zero-3", "fsdp")
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass
+class ParamSpec:
+    """One parameter tensor of model.py's GPT: name, shape, and how parallel/tp.py splits it."""
+    name: str
+    shape: tuple[int, ...]
+    tp_style: str  # col (Shard(0)) | row (Shard(1) weight) | replicate | vocab (Shard(0) if vocab-parallel)
+    where: str  # embed | block | head
+
+
+@dataclass
+class Layout:
+    strategy: str  # none | dp | ddp | zero-1 | zero-2 | zero-3 | fsdp
+    dp: int
+    tp: int
+    pp: int
+    pp_schedule: str  # "" when pp == 1
+    stages_per_rank: int
+    micro_batch_size: int  # sequences per forward/backward on one rank
+    microbatches: int  # forward/backwards per optimizer step on one rank (pipeline M or accumulation)
+    activation_checkpointing: bool
+    sequence_parallel: bool
+    tp_vocab_parallel: bool
+    reshard_after_forward: bool
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.strategy} dp{self.dp}" if self.dp > 1 else "dp1"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")
+                         + ("+vocab" if self.tp_vocab_parallel else ""))
+        if self.pp > 1:
+            v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+            parts.append(f"pp{self.pp} {self.pp_schedule}{v}")
+        if self.strategy == "fsdp" and not self.reshard_after_forward:
+            parts.append("no-reshard")
+        return " x ".join(parts)
+
+
+@dataclass
+class Collective:
+    """One kind of collective a layout issues per optimizer step (per rank, ring volumes)."""
+    kind: str  # all-reduce | reduce-scatter | all-gather | send-recv | tp
+    group: str  # dp | tp | pp | tied (first + last pipeline stage)
+    what: str
+    payload_bytes: int  # K: bytes handed to one call, summed over the calls of one step
+    moved_bytes: int  # what one rank sends per step on a ring
+    formula: str
+
+
+@dataclass
+class RankMemory:
+    """Predicted bytes on one rank (the fullest rank of its pipeline stage group)."""
+    pp_rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # saved for backward, all micro-batches in flight
+    activations_per_microbatch: int  # this rank's stages, one micro-batch each
+    inflight_microbatches: float  # activations / activations_per_microbatch (schedule-dependent)
+    transient: int  # live at the peak but not saved: logits at the loss, a recomputed block
+    buffers: int  # communication buffers: gathered FSDP parameters, unsharded grads, buckets
+    host: int  # bytes kept in host memory instead (fsdp cpu_offload)
+    peak: int
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LayoutPlan:
+    name: str
+    configured: bool
+    layout: Layout
+    memory: RankMemory  # the rank with the highest peak
+    per_pp_rank: list[RankMemory]
+    collectives: list[Collective]
+    moved_bytes_per_rank: dict[str, int]  # by kind, the busiest rank
+    moved_bytes_total: int  # all ranks together per optimizer step
+    fits: bool | None  # None when no --device-memory was given
+    bubble: float  # (p-1)/(m+p-1) for gpipe/1f1b; interleaved: (p-1)/(v*m+p-1)
+
+
+@dataclass
+class Plan:
+    world_size: int
+    device_memory: int | None
+    model: dict
+    configured_error: str  # why the configured layout cannot run on world_size ("" if it can)
+    layouts: list[LayoutPlan]
+    refused: dict[str, str]  # alternative layout -> the one-line reason it was left out
+
+    def to_json(self) -> str:
+        def encode(obj):
+            d = dataclasses.asdict(obj)
+            for lp, rec in zip(obj.layouts, d["layouts"]):
+                rec["layout"]["name"] = lp.layout.name
+            return d
+        return json.dumps(encode(self), indent=1)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB', '80 GiB', '512MB', '80' (GB) -> bytes; UsageError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text or "")
+    unit = (m.group(2) or "gb").lower() if m else ""
+    if not m or unit not in UNITS or float(m.group(1)) <= 0:
+        raise UsageError(f"--device-memory '{text}' is not a memory size; write e.g. 80GB, 80GiB or 512MB")
+    return int(float(m.group(1)) * UNITS[unit])
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= 10**9:
+        return f"{n / 10**9:.2f} GB"
+    if n >= 10**6:
+        return f"{n / 10**6:.1f} MB"
+    if n >= 10**3:
+        return f"{n / 10**3:.1f} kB"
+    return f"{n:.0f} B"
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def vocab_size(cfg: Config) -> tuple[int, str]:
+    """Vocabulary of this config without training: GPT-2 BPE's 50257, or the characters of the
+    corpus when it is on disk (a local file or the cached download; a run folder's tokenizer.json
+    wins, as it does for a resume). Falls back to Tiny Shakespeare's 65, said so in the source."""
+    if cfg.data.tokenizer == "gpt2":
+        return GPT2_VOCAB, "GPT-2 BPE"
+    stored = Path(cfg.trainer.run_dir).expanduser() / "tokenizer.json"
+    try:
+        record = json.loads(stored.read_text(encoding="utf-8"))
+        if record.get("kind") == "char":
+            return len(record["chars"]), f"characters in {stored}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from char_dataset import corpus_cache_path  # imports torch: only for char vocabularies
+    path = Path(cfg.data.path).expanduser()
+    if cfg.data.path.startswith(("http://", "https://")):
+        path = corpus_cache_path(cfg.data)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return 65, "assumed: Tiny Shakespeare's 65 characters (corpus not on disk)"
+    if cfg.data.truncate:
+        text = text[:cfg.data.truncate]
+    return len(set(text)), f"characters of {path}"
+
+
+def gpt_config(cfg: Config, vocab: int) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, **{k: v for k, v in dataclasses.asdict(cfg.model).items()
+                                          if k != "init_from"})
+
+
+def parameter_inventory(g: GPTConfig) -> list[ParamSpec]:
+    """model.GPT's parameters in named_parameters() order (a tied head is not listed twice)."""
+    c, out = g.n_embd, []
+
+    def add(name, shape, style, where):
+        out.append(ParamSpec(name, tuple(shape), style, where))
+
+    add("tok_emb.weight", (g.vocab_size, c), "vocab", "embed")
+    add("pos_emb.weight", (g.block_size, c), "replicate", "embed")
+    for i in range(g.n_layer):
+        p = f"blocks.{i}."
+
+        def linear(name, out_f, in_f, style):
+            add(p + name + ".weight", (out_f, in_f), style, "block")
+            if g.bias:
+                add(p + name + ".bias", (out_f,), "col" if style == "col" else "replicate", "block")
+
+        def norm(name):
+            add(p + name + ".weight", (c,), "replicate", "block")
+            if g.bias:
+                add(p + name + ".bias", (c,), "replicate", "block")
+
+        norm("ln_1")
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            linear("attn." + proj, c, c, "col")
+        linear("attn.out_proj", c, c, "row")
+        norm("ln_2")
+        linear("mlp.fc", 4 * c, c, "col")
+        linear("mlp.proj", c, 4 * c, "row")
+    add("ln_f.weight", (c,), "replicate", "head")
+    if g.bias:
+        add("ln_f.bias", (c,), "replicate", "head")
+    if not g.tie_weights:
+        add("lm_head.weight", (g.vocab_size, c), "vocab", "head")
+    return out
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tp_local_shape(spec: ParamSpec, tp: int, vocab_parallel: bool) -> tuple[int, ...]:
+    """The tensor-parallel rank 0 share (DTensor Shard uses torch.chunk: the first ranks get
+    ceil(dim / tp))."""
+    s = list(spec.shape)
+    if tp == 1:
+        return tuple(s)
+    if spec.tp_style == "col" or (spec.tp_style == "vocab" and vocab_parallel):
+        s[0] = ceil_div(s[0], tp)
+    elif spec.tp_style == "row":
+        s[1] = ceil_div(s[1], tp)
+    return tuple(s)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclass
+class ActivationModel:
+    """Bytes per element of each kind of saved tensor, for one precision setting."""
+    matmul: int  # outputs of Linear layers and attention (autocast: 16-bit)
+    residual: int  # the residual stream and LayerNorm inputs (fp32 under autocast)
+    casts: bool  # autocast: every Linear saves its own 16-bit copy of its input and weight
+    cpu_masks: bool  # dropout masks: CUDA's are bool, CPU's have the dtype of what is dropped
+    fused_attention: bool  # SDPA flash/efficient kernel (no s x s matrices saved)
+
+
+def activation_model(cfg: Config, strategy: str) -> ActivationModel:
+    autocast = cfg.trainer.precision != "fp32"
+    fsdp_mp = strategy in ("fsdp",) and cfg.parallel.mixed_precision != "none"
+    cpu = cfg.trainer.device == "cpu"
+    matmul = 2 if (autocast or fsdp_mp) else 4
+    residual = 2 if (fsdp_mp and not autocast) else 4
+    # Measured (torch 2.13): on CPU, SDPA with dropout falls back to the math kernel and dropout
+    # saves its scaled mask in the activation dtype; CUDA's flash/efficient kernels take dropout
+    # (saving only an RNG offset) and native_dropout saves a bool mask.
+    fused = not (cpu and cfg.model.dropout > 0)
+    return ActivationModel(matmul, residual, autocast, cpu, fused)
+
+
+def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, sp: bool,
+                           checkpointed: bool) -> int:
+    """Bytes one transformer block saves for backward for b sequences, on one tp rank.
+
+    Per block, E = b*s*h elements, A = b*(heads/tp)*s (measured with saved_tensors_hooks):
+      ln_1 input E (residual dtype) + mean/rstd 2bs fp32; q/k/v input E (autocast: three 16-bit
+      copies, one per Linear); q, k, v 3E/tp; SDPA output E/tp (= out_proj input) + logsumexp
+      4A bytes; ln_2 input E + 2bs; fc input E; fc output 4E/tp (GELU input); GELU output 4E/tp;
+      with dropout two masks E/tp each (CUDA: bool). fp32: 16E*4 = 64sbh bytes where Korthikanti
+      et al. count 34sbh in 16-bit with 5as^2b of attention matrices that SDPA never stores.
+      tp: the replicated LayerNorm inputs and the Linear inputs stay whole; with sequence
+      parallelism the LayerNorm inputs/stats and dropout masks are split over tp, but the
+      all-gathered q/k/v and fc inputs are saved whole (DTensor keeps the gathered tensor).
+      autocast also keeps a 16-bit copy of every weight (12h^2/tp elements).
+    Activation checkpointing keeps only the block input (E/tp with sp)."""
+    s, h = g.block_size, g.n_embd
+    e = b * s * h
+    seq = tp if sp else 1
+    if checkpointed:
+        return e * am.residual // seq
+    heads = g.n_head // tp
+    total = 2 * e * am.residual // seq  # ln_1 and ln_2 inputs
+    total += 2 * 2 * b * s * 4 // seq  # their mean and rstd (fp32)
+    linear_in = 3 * e * am.matmul + e * am.matmul if am.casts else 2 * e * am.residual  # qkv + fc inputs
+    total += linear_in
+    if am.fused_attention:
+        total += 3 * e * am.matmul // tp + e * am.matmul // tp + 4 * b * heads * s  # q k v, out, lse
+    else:  # math kernel: scaled q, k^T, v, softmax, dropout mask, dropped softmax, output copy;
+        # autocast runs it in fp32 (measured on CPU), so only the out_proj input is 16-bit
+        attn = 4 if am.casts else am.matmul
+        total += 3 * e * attn // tp + 3 * b * heads * s * s * attn + e * am.matmul // tp
+    total += 8 * e * am.matmul // tp  # GELU input and output (4h each)
+    if g.dropout > 0:
+        total += 2 * e * (am.matmul if am.cpu_masks else 1) // seq
+    if am.casts:
+        total += 12 * h * h * am.matmul // tp
+    return total
+
+
+def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: int, first: bool,
+                           last: bool, lay: Layout) -> int:
+    """Saved-for-backward bytes of one pipeline stage (or the whole model) for one micro-batch of
+    b sequences: its blocks, plus token/position ids (and the embedding dropout mask) on the
+    first stage, plus ln_f, the LM head input and the loss's log-softmax (fp32, b*s*V; over
+    tp ranks with vocab-parallel loss) on the last."""
+    s, h, v = g.block_size, g.n_embd, g.vocab_size
+    tp, sp = lay.tp, lay.sequence_parallel
+    seq = tp if sp else 1
+    total = blocks * block_activation_bytes(g, am, b, tp, sp, lay.activation_checkpointing)
+    if first:
+        total += 8 * b * s + 8 * s  # token ids (the embedding's) and positions (int64)
+        if g.dropout > 0:
+            total += b * s * h * (am.residual if am.cpu_masks else 1) // seq
+    if last:
+        total += b * s * h * am.residual // seq + 2 * b * s * 4 // seq  # ln_f input, mean/rstd
+        total += b * s * h * (am.matmul if am.casts else am.residual)  # LM head input (whole)
+        if am.casts:
+            total += ceil_div(v, tp if lay.tp_vocab_parallel else 1) * h * am.matmul  # weight copy
+        total += 4 * b * s * ceil_div(v, tp if lay.tp_vocab_parallel else 1)  # log-softmax output
+        total += 8 * b * s + 4  # targets (int64) and nll_loss's total weight
+    return total
+
+
+# ----------------------------------------------------------------------------- pipelines
+
+
+def inflight_per_stage(cfg: Config, lay: Layout) -> list[dict[int, int]]:
+    """For each pp rank, the most micro-batches per local stage whose activations are alive at
+    once (taken at the moment their sum, weighted later by stage size, peaks is approximated by
+    the per-stage maxima of torch's own action order). gpipe: all M; 1f1b: min(M, p - rank)
+    (torch's warm-up); interleaved and zero-bubble schedules: torch's own action order replayed
+    (a forward adds a micro-batch; a full backward, or the weight half of a split backward,
+    frees it)."""
+    p, m = lay.pp, lay.microbatches
+    placement = stage_to_pp_rank(cfg)
+    out = []
+    for r in range(p):
+        stages = [s for s in sorted(placement) if placement[s] == r]
+        if lay.pp_schedule == "gpipe":
+            out.append({s: m for s in stages})
+        elif lay.pp_schedule == "1f1b":
+            out.append({s: min(m, p - s) for s in stages})
+        else:
+            out.append(_replay_order(lay, r, stages))
+    return out
+
+
+def _replay_order(lay: Layout, rank: int, stages: list[int]) -> dict[int, int]:
+    """Replays torch.distributed.pipelining's action list of one rank (the schedules compute it
+    from a few integers; an instance is made without stages to reach that computation)."""
+    from torch.distributed.pipelining import schedules as sch
+    p, m, v = lay.pp, lay.microbatches, lay.stages_per_rank
+    if lay.pp_schedule == "interleaved_1f1b":
+        cls = sch.ScheduleInterleaved1F1B
+    elif v == 2:
+        cls = sch.ScheduleZBVZeroBubble
+    else:
+        cls = sch.ScheduleInterleavedZeroBubble
+    obj = cls.__new__(cls)
+    obj.pp_group_size, obj.n_local_stages, obj._n_microbatches = p, v, m
+    obj.num_stages = p * v
+    obj.number_of_rounds = max(1, m // p)
+    obj.microbatches_per_round = m // obj.number_of_rounds
+    actions = [a for a in obj._calculate_single_rank_operations(rank) if a is not None]
+    live = {s: 0 for s in stages}
+    most = {s: 0 for s in stages}
+    best_total, at_best = -1, dict(live)
+    split = any(a.computation_type == sch._ComputationType.BACKWARD_WEIGHT for a in actions)
+    for a in actions:
+        kind = a.computation_type
+        if kind == sch._ComputationType.FORWARD:
+            live[a.stage_index] += 1
+        elif kind == sch._ComputationType.FULL_BACKWARD or (split and kind == sch._ComputationType.BACKWARD_WEIGHT):
+            live[a.stage_index] -= 1
+        for s in stages:
+            most[s] = max(most[s], live[s])
+        if sum(live.values()) > best_total:
+            best_total, at_best = sum(live.values()), dict(live)
+    # Stages of one rank hold about the same number of blocks: the moment with most micro-batches
+    # alive in total is the peak.
+    return at_best
+
+
+def bubble_fraction(lay: Layout) -> float:
+    if lay.pp == 1:
+        return 0.0
+    v = lay.stages_per_rank if lay.pp_schedule == "interleaved_1f1b" else 1
+    return (lay.pp - 1) / (v * lay.microbatches + lay.pp - 1)
+
+
+# ----------------------------------------------------------------------------- one layout
+
+
+def _owned_tensors(g: GPTConfig, cfg: Config, lay: Layout) -> list[list[tuple[ParamSpec, bool]]]:
+    """Per pp rank: (tensor, optimizer owns it) for every tensor held. The tied weight's copy on
+    the last stage is a separate tensor when another rank (or, V-shape, another stage module)
+    holds the first; a V-shape rank leaves that copy out of the optimizer."""
+    inv = parameter_inventory(g)
+    if lay.pp == 1:
+        return [[(t, True) for t in inv]]
+    counts = stage_block_counts(cfg)
+    placement = stage_to_pp_rank(cfg)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    n_stages = len(counts)
+    out = []
+    for r in range(lay.pp):
+        held = []
+        stages = [s for s in range(n_stages) if placement[s] == r]
+        for s in stages:
+            blocks = {str(i) for i in range(starts[s], starts[s] + counts[s])}
+            for t in inv:
+                if t.where == "block" and t.name.split(".")[1] in blocks:
+                    held.append((t, True))
+                elif t.where == "embed" and s == 0:
+                    held.append((t, True))
+                elif t.where == "head" and s == n_stages - 1:
+                    held.append((t, True))
+            if s == n_stages - 1 and g.tie_weights:
+                copy_of = ParamSpec("lm_head.weight", (g.vocab_size, g.n_embd), "vocab", "head")
+                held.append((copy_of, 0 not in stages))
+        out.append(held)
+    return out
+
+
+def _zero_buckets(tensors: list[ParamSpec], local, cap_bytes: float) -> int:
+    """Largest bucket of parallel/zero.py in elements: decay (matrices) then no-decay tensors,
+    reversed, a bucket closes once it reaches bucket_cap_mb."""
+    order = [t for t in tensors if len(t.shape) >= 2] + [t for t in tensors if len(t.shape) < 2]
+    largest, size = 0, 0
+    for t in reversed(order):
+        size += numel(local(t))
+        if size * PARAM_BYTES >= cap_bytes:
+            largest, size = max(largest, size), 0
+    return max(largest, size)
+
+
+def plan_layout(cfg: Config, g: GPTConfig, lay: Layout, configured: bool,
+                device_memory: int | None) -> LayoutPlan:
+    p = cfg.parallel
+    n, tp = lay.dp, lay.tp
+    am = activation_model(cfg, lay.strategy)
+    per_rank_held = _owned_tensors(g, cfg, lay)
+    fsdp_like = lay.strategy in ("zero-3", "fsdp") and n > 1
+    mp = lay.strategy == "fsdp" and p.mixed_precision != "none"
+    gathered_bytes = 2 if mp else PARAM_BYTES  # FSDP2 all-gathers in param_dtype
+    reduce_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[p.reduce_dtype] if lay.strategy == "fsdp" else 4
+
+    def local(t: ParamSpec) -> tuple[int, ...]:
+        return tp_local_shape(t, tp, lay.tp_vocab_parallel)
+
+    def dp_elems(t: ParamSpec, sharded: bool) -> int:
+        shape = local(t)
+        if not sharded or n == 1:
+            return numel(shape)
+        if fsdp_like:  # FSDP2: dim-0 chunks, padded to ceil(dim0 / n) rows on every rank
+            return ceil_div(shape[0], n) * numel(shape[1:])
+        return ceil_div(numel(shape), n)  # zero-1/2: torch.chunk of the flattened tensor
+
+    shard_params = fsdp_like
+    shard_grads = fsdp_like or (lay.strategy == "zero-2" and n > 1)
+    shard_optim = fsdp_like or (lay.strategy in ("zero-1", "zero-2") and n > 1)
+
+    stage_counts = [g.n_layer] if lay.pp == 1 else stage_block_counts(cfg)
+    inflight = inflight_per_stage(cfg, lay) if lay.pp > 1 else [{0: 1}]
+    b = lay.micro_batch_size
+    n_stages = len(stage_counts)
+    ranks: list[RankMemory] = []
+    collectives_by_rank: list[list[Collective]] = []
+    for r, held in enumerate(per_rank_held):
+        notes = []
+        params = sum(dp_elems(t, shard_params) for t, _ in held) * PARAM_BYTES
+        grads = sum(dp_elems(t, shard_grads) for t, _ in held) * PARAM_BYTES
+        optim = sum(dp_elems(t, shard_optim) for t, owned in held if owned) * ADAM_STATE_BYTES
+        # activations: this rank's stages, each with its micro-batches in flight
+        stages = sorted(inflight[r])
+        per_mb, act = 0, 0
+        for s in stages:
+            one = stage_activation_bytes(g, am, b, stage_counts[s], s == 0, s == n_stages - 1, lay)
+            per_mb += one
+            act += one * inflight[r][s]
+        # transients: the logits and their gradient at the loss; a checkpointed block's recompute
+        transient = 0
+        if n_stages - 1 in stages:
+            vloc = ceil_div(g.vocab_size, tp if lay.tp_vocab_parallel else 1)
+            transient = b * g.block_size * vloc * (am.matmul + 4)
+        if lay.activation_checkpointing:
+            full = block_activation_bytes(g, am, b, tp, lay.sequence_parallel, False)
+            transient = max(transient, full)
+        # communication buffers
+        local_elems = sum(numel(local(t)) for t, _ in held)
+        block_elems = max((sum(numel(local(t)) for t, _ in held if t.name.startswith(f"blocks.{i}."))
+                           for i in range(g.n_layer)), default=0)
+        root_elems = sum(numel(local(t)) for t, _ in held if t.where != "block")
+        buffers = 0
+        host = 0
+        if lay.strategy == "ddp" and n > 1 and not p.gradient_as_bucket_view:
+            buffers = local_elems * PARAM_BYTES
+            notes.append("DDP buckets beside the gradients (gradient_as_bucket_view=false): +4a")
+        elif lay.strategy in ("zero-1", "zero-2") and n > 1:
+            bucket = _zero_buckets([t for t, _ in held], local, p.bucket_cap_mb * 2**20)
+            # stage 2 holds a bucket's full gradients and their packed copy while it reduces;
+            # both stages gather a bucket's weights into one buffer (+ this rank's slice)
+            copies = 2 if lay.strategy == "zero-2" else 1
+            buffers = (copies * bucket + ceil_div(bucket, n)) * PARAM_BYTES
+            notes.append("largest ZeRO bucket: " + ("its full gradients + packed copy + slice" if copies == 2
+                                                    else "gathered weights + this rank's slice"))
+        elif fsdp_like:
+            stage_block_elems = sum(numel(local(t)) for t, _ in held if t.where == "block")
+            kept = stage_block_elems if not lay.reshard_after_forward else 2 * block_elems
+            buffers = (root_elems + kept) * gathered_bytes + 2 * block_elems * reduce_bytes
+            if lay.microbatches > 1:
+                buffers += local_elems * PARAM_BYTES
+                notes.append("FSDP2 keeps unsharded gradients across the accumulated micro-batches")
+            notes.append("FSDP2: root (embeddings, head) stays gathered; "
+                         + ("two blocks gathered at a time" if lay.reshard_after_forward
+                            else "every block stays gathered from forward to backward"))
+        if lay.strategy == "fsdp" and p.cpu_offload and n > 1:
+            host = params + grads + optim
+            params = grads = optim = 0
+            notes.append("cpu_offload: sharded parameters, gradients and Adam state live in host memory")
+        peak = params + grads + optim + act + transient + buffers
+        ranks.append(RankMemory(r, params, grads, optim, act, per_mb,
+                                round(act / per_mb, 2) if per_mb else 0.0, transient, buffers, host, peak, notes))
+        collectives_by_rank.append(_collectives(cfg, g, lay, held, local, am, r, stages, n_stages,
+                                                gathered_bytes, reduce_bytes))
+    top = max(range(len(ranks)), key=lambda i: ranks[i].peak)
+    busiest = max(range(len(ranks)), key=lambda i: sum(c.moved_bytes for c in collectives_by_rank[i]))
+    by_kind: dict[str, int] = {}
+    for c in collectives_by_rank[busiest]:
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.moved_bytes
+    total = sum(c.moved_bytes for cs in collectives_by_rank for c in cs) * lay.dp * lay.tp
+    fits = None if device_memory is None else ranks[top].peak <= device_memory
+    return LayoutPlan(lay.name, configured, lay, ranks[top], ranks, collectives_by_rank[busiest],
+                      by_kind, total, fits, bubble_fraction(lay))
+
+
+def _collectives(cfg, g, lay, held, local, am, r, stages, n_stages, gathered_bytes, reduce_bytes):
+    """Ring volumes per optimizer step on pp rank r (payload K bytes, n ranks in the group)."""
+    n, tp, m = lay.dp, lay.tp, lay.microbatches
+    out: list[Collective] = []
+    grad_elems = sum(numel(local(t)) for t, _ in held)
+    k = grad_elems * PARAM_BYTES
+    if n > 1:
+        ring = (n - 1) / n
+        if lay.strategy == "ddp":
+            out.append(Collective("all-reduce", "dp", "gradients, once per step (no_sync while accumulating)",
+                                  k, round(2 * k * ring), "2K(n-1)/n"))
+        elif lay.strategy == "zero-1":
+            out.append(Collective("reduce-scatter", "dp", "gradients once per step (theory; today's code "
+                                  "all-reduces: measured 1.5x)", k, round(k * ring), "K(n-1)/n"))
+            out.append(Collective("all-gather", "dp", "updated parameter slices", k, round(k * ring), "K(n-1)/n"))
+        elif lay.strategy == "zero-2":
+            out.append(Collective("reduce-scatter", "dp", f"gradients on each of {m} micro-batch(es)",
+                                  k * m, round(k * m * ring), "m K(n-1)/n"))
+            out.append(Collective("all-gather", "dp", "updated parameter slices", k, round(k * ring), "K(n-1)/n"))
+        else:  # FSDP2 (zero-3, fsdp)
+            root = sum(numel(local(t)) for t, _ in held if t.where != "block")
+            blocks = grad_elems - root
+            gathers = 2 if lay.reshard_after_forward else 1
+            ag = (gathers * blocks + root) * gathered_bytes * m
+            out.append(Collective("all-gather", "dp", f"parameters: blocks {gathers}x (forward"
+                                  f"{' + backward' if gathers == 2 else ''}), root 1x, per micro-batch",
+                                  ag, round(ag * ring), f"m ({gathers}K_blocks + K_root)(n-1)/n"))
+            rs = grad_elems * reduce_bytes
+            out.append(Collective("reduce-scatter", "dp", "gradients once per step", rs, round(rs * ring),
+                                  "K(n-1)/n"))
+    if tp > 1:
+        s, h = g.block_size, g.n_embd
+        blocks_here = sum(1 for t, _ in held if t.name.endswith("attn.q_proj.weight"))
+        act = lay.micro_batch_size * s * h * am.matmul
+        calls = 4 * blocks_here  # attention and MLP, forward and backward
+        if lay.tp_vocab_parallel and 0 in stages:
+            calls += 1  # the row-parallel embedding's forward all-reduce
+        payload = calls * act * m
+        out.append(Collective("tp", "tp", ("reduce-scatter + all-gather" if lay.sequence_parallel else "all-reduce")
+                              + " of (b, s, h) per attention and MLP, forward and backward",
+                              payload, round(2 * payload * (tp - 1) / tp), "2 x 4L m bsh e (t-1)/t"))
+    if lay.pp > 1:
+        e = lay.micro_batch_size * g.block_size * g.n_embd * am.residual // (tp if lay.sequence_parallel else 1)
+        sends = sum((1 if s < n_stages - 1 else 0) + (1 if s > 0 else 0) for s in stages)
+        out.append(Collective("send-recv", "pp", "activations forward and their gradients backward, per micro-batch",
+                              sends * e * m, sends * e * m, "m x (b s h e) per stage boundary"))
+        if g.tie_weights and (0 in stages) != (n_stages - 1 in stages):
+            vloc = ceil_div(g.vocab_size, tp if lay.tp_vocab_parallel else 1)
+            kt = vloc * g.n_embd * PARAM_BYTES
+            out.append(Collective("all-reduce", "tied", "tied embedding/head gradient, first + last stage",
+                                  kt, kt, "2K(2-1)/2"))
+    return out
+
+
+# ----------------------------------------------------------------------------- all layouts
+
+
+def _layout_config(cfg: Config, strategy: str, tp: int, pp: int) -> Config:
+    """cfg with this layout; options of another strategy, tp or pp go back to their defaults."""
+    new = copy.deepcopy(cfg)
+    p, d = new.parallel, ParallelConfig()
+    name, stage = (strategy.split("-") + ["1"])[:2] if strategy.startswith("zero") else (strategy, "1")
+    keep = {"ddp": ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"),
+            "zero": ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"),
+            "fsdp": ("reshard_after_forward", "mixed_precision", "reduce_dtype", "cpu_offload")}
+    if name != cfg.parallel.strategy:
+        for k in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "reshard_after_forward",
+                  "mixed_precision", "reduce_dtype", "cpu_offload"):
+            if k not in keep.get(name, ()):
+                setattr(p, k, getattr(d, k))
+    p.strategy, p.zero_stage = name, int(stage) if name == "zero" else d.zero_stage
+    if name == "zero" and p.zero_stage == 3:
+        for k in keep["ddp"]:
+            setattr(p, k, getattr(d, k))
+    if name == "zero" and p.zero_stage == 2:
+        p.gradient_as_bucket_view, p.static_graph = d.gradient_as_bucket_view, d.static_graph
+    p.tp, p.pp = tp, pp
+    if tp == 1:
+        p.tp_vocab_parallel = p.sequence_parallel = False
+    if pp == 1:
+        for k in ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank"):
+            setattr(p, k, getattr(d, k))
+    elif cfg.parallel.pp != pp:
+        p.pp_split = ""  # a split written for another pp does not fit
+    return new
+
+
+def _strategy_label(cfg: Config, world: int) -> str:
+    p = cfg.parallel
+    if p.strategy == "zero":
+        return f"zero-{p.zero_stage}"
+    if world == 1 and p.tp == 1 and p.pp == 1 and p.strategy == "ddp":
+        return "ddp"
+    return p.strategy
+
+
+def check_layout(cfg: Config, world: int) -> Layout:
+    """The Layout for cfg on `world` ranks, after the same checks a launch runs (config.validate
+    and the strategy's validate_layout, which needs no process group); UsageError if refused."""
+    validate(cfg)
+    strategy = strategy_class(cfg.parallel.strategy)(cfg, DistEnv(world_size=world), None)
+    p = cfg.parallel
+    # one data-parallel rank: the strategy has nothing to act on (ddp, zero-3 and fsdp leave the
+    # model as it is), so those layouts are one layout
+    label = _strategy_label(cfg, world) if strategy.dp_size > 1 else "none"
+    return Layout(label, strategy.dp_size, p.tp, p.pp, p.pp_schedule if p.pp > 1 else "",
+                  p.pp_stages_per_rank if p.pp > 1 else 1, strategy.micro_batch_size,
+                  strategy.grad_accum_steps, p.activation_checkpointing, p.sequence_parallel,
+                  p.tp_vocab_parallel, p.reshard_after_forward if label == "fsdp" else label == "zero-3")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(cfg: Config, world: int, device_memory: int | None = None) -> Plan:
+    vocab, vocab_source = vocab_size(cfg)
+    g = gpt_config(cfg, vocab)
+    a = sum(numel(t.shape) for t in parameter_inventory(g))
+    model = {"parameters": a, "vocab_size": vocab, "vocab_source": vocab_source,
+             **{k: v for k, v in dataclasses.asdict(g).items() if k != "vocab_size"},
+             "global_batch": cfg.trainer.batch_size, "precision": cfg.trainer.precision}
+    layouts: list[LayoutPlan] = []
+    configured_error = ""
+    try:
+        mine = check_layout(cfg, world)
+        layouts.append(plan_layout(cfg, g, mine, True, device_memory))
+    except UsageError as e:
+        mine, configured_error = None, str(e)
+    refused: dict[str, str] = {}
+    others: list[LayoutPlan] = []
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            for strategy in DP_STRATEGIES:
+                alt = _layout_config(cfg, strategy, tp, pp)
+                try:
+                    lay = check_layout(alt, world)
+                except UsageError as e:
+                    refused[f"{strategy} tp{tp} pp{pp}"] = str(e)
+                    continue
+                if mine is not None and lay == mine:
+                    continue
+                others.append(plan_layout(alt, g, lay, False, device_memory))
+    others.sort(key=lambda lp: (lp.fits is False, lp.memory.peak))
+    return Plan(world, device_memory, model, configured_error, layouts + others, refused)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+LEGEND = """\
+per rank, the fullest rank (GB = 10^9 bytes); a = parameters held, n = dp ranks, K = bytes of a collective's payload
+  params/grads/Adam: fp32 AdamW, ZeRO (Rajbhandari et al. 2020): ddp 4a+4a+8a = 16a | zero-1 4a+4a+8a/n | zero-2 4a+12a/n | zero-3, fsdp 16a/n
+  act: saved for backward x micro-batches in flight (gpipe: M, 1f1b: min(M, p - rank), interleaved/zero-bubble: torch's order);
+       per block fp32 16bsh x 4 B + 16bs + 4b(heads)s (Korthikanti et al. 2022's 34sbh + 5as^2b, adapted to SDPA: --explain)
+  moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n; zero-3/fsdp all-gather blocks twice
+       (forward, backward), the root once. Measured on CPU/gloo before collective fixes (issue 11): ddp 1.008x, zero-1 1.508x,
+       zero-2 1.510x, zero-3 1.352x, fsdp 1.350x of 2(N-1)4a (ddp, zero-1/2) or 3(N-1)4a (zero-3/fsdp), total over ranks"""
+
+EXPLAIN = """\
+formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary, t = tp, E = bsh elements):
+  parameters per rank: model.py's shapes; tp splits q/k/v/fc rows and out_proj/proj columns (ceil(dim/t)); zero-1/2 keep
+    ceil(numel/n) elements of each tensor; zero-3/fsdp ceil(dim0/n) rows (FSDP2 pads the dim-0 chunks); pp: each stage its
+    blocks, the first the embeddings, the last ln_f and a copy of the tied embedding/head (both copies are in the optimizer)
+  gradients: as parameters (zero-2 and fsdp: sharded; ddp buckets are the gradients with gradient_as_bucket_view)
+  activations per block, saved for backward (measured op by op with saved_tensors_hooks on this model):
+    ln_1 and ln_2 inputs 2E (fp32) + mean/rstd 4bs fp32; q/k/v input E and fc input E (autocast: 3 + 1 16-bit copies);
+    q, k, v 3E/t; SDPA output E/t (the out_proj input) + logsumexp b(heads/t)s fp32; GELU input and output 8E/t;
+    dropout > 0: 2 masks E (bool on CUDA, the activation dtype on CPU, where SDPA also falls back to its math kernel
+    and saves 3 b(heads/t)s^2 attention matrices); autocast: a 16-bit copy of every weight (12h^2/t).
+    fp32 total 64sbh + 16sb + 4as bytes; Korthikanti et al. 2022 eq. 1 counts 34sbh + 5as^2b in 16-bit without
+    fused attention. Sequence parallel splits LayerNorm inputs/stats and masks over t; the gathered q/k/v and fc
+    inputs stay whole. Activation checkpointing keeps the block input only (E fp32) and recomputes one block in
+    backward (counted as transient). First stage: token and position ids (int64); last stage: ln_f input E, head
+    input E, log-softmax output 4bsV (fp32; /t with vocab-parallel loss), targets.
+  transient: logits + their fp32 gradient at the loss (bsV (e + 4)), or one recomputed block with checkpointing
+  buffers: zero-1/2: the largest bucket (bucket_cap_mb) twice + its slice; fsdp/zero-3: root parameters stay gathered,
+    2 blocks gathered (all blocks with reshard_after_forward=false) + 2 blocks of unsharded gradients; with gradient
+    accumulation FSDP2 keeps the whole unsharded gradient (4a) between micro-batches; ddp: +4a of buckets when
+    gradient_as_bucket_view=false
+  moved: tp: 4 collectives of E per block per micro-batch (all-reduce, or reduce-scatter + all-gather with sequence
+    parallel: the same bytes), 2 x payload (t-1)/t; pp: activations forward and gradients backward, E per stage
+    boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
+  bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved"""
+
+
+def render(pl: Plan, explain: bool = False) -> str:
+    m = pl.model
+    lines = [f"model: {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, block {m['block_size']}, "
+             f"vocab {m['vocab_size']} ({m['vocab_source']}), {m['parameters']:,} parameters | "
+             f"global batch {m['global_batch']}, {m['precision']} | world {pl.world_size}"
+             + (f" | device memory {fmt_bytes(pl.device_memory)}" if pl.device_memory else "")]
+    if pl.configured_error:
+        lines.append(f"configured layout refused on {pl.world_size} ranks: {pl.configured_error}")
+    header = ["", "layout", "mb x M", "params", "grads", "Adam", "act (x in flight)", "buffers", "peak", "fits",
+              "all-reduce", "red-scatter", "all-gather", "p2p", "tp", "bubble"]
+    rows = []
+    for lp in pl.layouts:
+        mem, mv = lp.memory, lp.moved_bytes_per_rank
+        fits = "-" if lp.fits is None else ("yes" if lp.fits else "NO")
+        rows.append(["*" if lp.configured else "", lp.name, f"{lp.layout.micro_batch_size} x {lp.layout.microbatches}",
+                     fmt_bytes(mem.params), fmt_bytes(mem.grads), fmt_bytes(mem.optimizer),
+                     f"{fmt_bytes(mem.activations)} (x{mem.inflight_microbatches:g})", fmt_bytes(mem.buffers + mem.transient),
+                     fmt_bytes(mem.peak), fits,
+                     *(fmt_bytes(mv[k]) if mv.get(k) else "-" for k in
+                       ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")),
+                     f"{lp.bubble:.2f}" if lp.layout.pp > 1 else "-"])
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    for r in rows:
+        lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    lines.append(f"* configured layout; {len(pl.layouts)} layouts shown, {len(pl.refused)} refused "
+                 f"(--plan-json lists why); buffers include transients (logits at the loss, a recomputed block); "
+                 f"bytes moved per rank per optimizer step, busiest rank")
+    lines.append(EXPLAIN if explain else LEGEND)
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""planner.py (issue 11, item 2): predictions against the model's real shapes, the ZeRO formulas,
+and against measurement.
+
+- parameter inventory == model.GPT's named parameters (tied, untied, with and without biases);
+- fp32 AdamW bytes on n ranks: 16a, 4a+4a+8a/n, 4a+12a/n, 16a/n exactly where nothing pads;
+  ring volumes 2K(n-1)/n and FSDP's 2x-blocks + 1x-root all-gather;
+- activations saved for backward, one process (saved_tensors_hooks counting unique storages):
+  activation checkpointing on and off, dropout (CPU kernels), bf16 autocast;
+- ONE 2-process launch (tests/plan_worker.py): parameters, gradients and Adam state read from every
+  strategy's own tensors (ddp, zero-1/2/3, fsdp at dp=2), tp=2 (plain, and sequence parallel +
+  vocabulary parallel), pp=2 with gpipe and 1f1b, and the bytes each rank saves for backward per
+  micro-batch in all of them;
+- `main.py --plan`: GPT-2 XL on 512 ranks, JSON = table, device-memory flags; bad flags: one line.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import main as app
+import planner
+from config import load_config
+from harness import TINY, torchrun
+from model import GPT, lm_loss
+from plan_worker import SavedBytes
+
+# ~1% would already catch a missing LayerNorm statistic or mask; measured agreement is exact to
+# the 16 bytes of an int64 slice's storage.
+RTOL = 0.01
+XL = ["data.tokenizer=gpt2", "model.n_layer=48", "model.n_head=25", "model.n_embd=1600",
+      "model.block_size=1024", "trainer.batch_size=512"]
+
+
+def config(tmp_path, *overrides):
+    return load_config(None, TINY + [f"trainer.run_dir={tmp_path / 'run'}", "trainer.device=cpu", *overrides])
+
+
+@pytest.mark.parametrize("model", ["", "model.tie_weights=false model.bias=false", "model.n_layer=3 model.n_embd=48"])
+def test_inventory_is_the_models_parameters(tmp_path, model):
+    g = planner.gpt_config(config(tmp_path, *model.split()), vocab=50)
+    inv = planner.parameter_inventory(g)
+    real = GPT(g)
+    assert [(t.name, t.shape) for t in inv] == [(n, tuple(p.shape)) for n, p in real.named_parameters()]
+    assert sum(planner.numel(t.shape) for t in inv) == real.num_params(exclude_position=False)
+
+
+def test_zero_formulas_and_ring_volumes(tmp_path):
+    n = 4  # every dim 0 and every numel below divides by 4: no shard padding
+    strategies = {"ddp": (["parallel.strategy=ddp"], lambda a: 16 * a),
+                  "zero-1": (["parallel.strategy=zero", "parallel.zero_stage=1"], lambda a: 8 * a + 8 * a // n),
+                  "zero-2": (["parallel.strategy=zero", "parallel.zero_stage=2"], lambda a: 4 * a + 12 * a // n),
+                  "zero-3": (["parallel.strategy=zero", "parallel.zero_stage=3"], lambda a: 16 * a // n),
+                  "fsdp": (["parallel.strategy=fsdp"], lambda a: 16 * a // n)}
+    for name, (overrides, formula) in strategies.items():
+        cfg = config(tmp_path, "trainer.micro_batch_size=0", *overrides)
+        g = planner.gpt_config(cfg, vocab=64)
+        a = sum(planner.numel(t.shape) for t in planner.parameter_inventory(g))
+        lay = planner.check_layout(cfg, n)
+        assert (lay.strategy, lay.dp, lay.microbatches) == (name, n, 1)
+        lp = planner.plan_layout(cfg, g, lay, True, None)
+        mem = lp.memory
+        assert mem.params + mem.grads + mem.optimizer == formula(a), name
+        moved = {c.kind: c.moved_bytes for c in lp.collectives}
+        k = 4 * a
+        if name == "ddp":
+            assert moved == {"all-reduce": round(2 * k * (n - 1) / n)}
+        if name in ("zero-1", "zero-2"):  # theory: reduce-scatter + all-gather = an all-reduce
+            assert moved == {"reduce-scatter": round(k * (n - 1) / n), "all-gather": round(k * (n - 1) / n)}
+        if name in ("zero-3", "fsdp"):  # blocks gathered in forward and backward, the root once
+            root = 4 * (64 * 32 + 16 * 32 + 2 * 32)  # tok_emb (tied head), pos_emb, ln_f
+            assert moved["all-gather"] == round((2 * (k - root) + root) * (n - 1) / n)
+            assert moved["reduce-scatter"] == round(k * (n - 1) / n)
+
+
+@pytest.mark.parametrize("overrides", [
+    "", "parallel.activation_checkpointing=true", "model.dropout=0.1", "trainer.precision=bf16",
+    "trainer.precision=bf16 parallel.activation_checkpointing=true model.tie_weights=false model.bias=false"])
+def test_activations_saved_for_backward_one_process(tmp_path, overrides):
+    cfg = config(tmp_path, "parallel.strategy=none", "trainer.batch_size=4", "trainer.micro_batch_size=0",
+                 *overrides.split())
+    g = planner.gpt_config(cfg, vocab=65)
+    lay = planner.check_layout(cfg, 1)
+    predicted = planner.plan_layout(cfg, g, lay, True, None).memory.activations
+    torch.manual_seed(0)
+    model = GPT(g).train()
+    for block in model.blocks.values():
+        block.activation_checkpointing = cfg.parallel.activation_checkpointing
+    x, y = (torch.randint(0, 65, (4, g.block_size)) for _ in range(2))
+    saved = SavedBytes()
+    with saved.hooks():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16"):
+            logits = model(x)
+        loss = lm_loss(logits, y)
+    loss.backward()
+    assert predicted == pytest.approx(saved.nbytes, rel=RTOL), (predicted, saved.nbytes)
+
+
+CASES = {
+    "ddp": "parallel.strategy=ddp",
+    "zero1": "parallel.strategy=zero parallel.zero_stage=1",
+    "zero2": "parallel.strategy=zero parallel.zero_stage=2",
+    "zero3": "parallel.strategy=zero parallel.zero_stage=3",
+    "fsdp": "parallel.strategy=fsdp",
+    "fsdp_ckpt": "parallel.strategy=fsdp parallel.activation_checkpointing=true",
+    "tp": "parallel.tp=2",
+    "tp_sp_vocab": "parallel.tp=2 parallel.sequence_parallel=true parallel.tp_vocab_parallel=true",
+    "pp_gpipe": "parallel.pp=2 parallel.pp_schedule=gpipe",
+    "pp_1f1b": "parallel.pp=2 parallel.pp_schedule=1f1b",
+}
+
+
+def test_predictions_match_every_rank_measured(tmp_path):
+    args = ["tests/plan_worker.py", "--out", str(tmp_path)]
+    for name, overrides in CASES.items():
+        args += ["--case", name, overrides]
+    r = torchrun(2, args, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name, overrides in CASES.items():
+        cfg = config(tmp_path, *overrides.split())
+        g = planner.gpt_config(cfg, planner.vocab_size(cfg)[0])
+        lp = planner.plan_layout(cfg, g, planner.check_layout(cfg, 2), True, None)
+        ranks = json.loads((tmp_path / f"{name}.json").read_text())["ranks"]
+        for rank, got in enumerate(ranks):
+            want = lp.per_pp_rank[got["pp_rank"]]
+            assert got["forwards"] == lp.layout.microbatches
+            for key in ("params", "grads", "optimizer", "activations_per_microbatch"):
+                assert getattr(want, key) == pytest.approx(got[key], rel=RTOL), (name, rank, key)
+    # what the schedules keep in flight on each rank (torch's warm-up: gpipe all M, 1f1b p - rank)
+    gpipe = planner.plan_layout(*_args(tmp_path, CASES["pp_gpipe"]), True, None)
+    one_f_one_b = planner.plan_layout(*_args(tmp_path, CASES["pp_1f1b"]), True, None)
+    assert [r.inflight_microbatches for r in gpipe.per_pp_rank] == [4, 4]
+    assert [r.inflight_microbatches for r in one_f_one_b.per_pp_rank] == [2, 1]
+
+
+def _args(tmp_path, overrides):
+    cfg = config(tmp_path, *overrides.split())
+    return cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2)
+
+
+def test_interleaved_and_zero_bubble_replay_torchs_order(tmp_path):
+    """Ranks of an interleaved schedule hold more micro-batch chunks than 1f1b's p - rank (the
+    Megatron warm-up (v-1)p + 2(p-1-rank) + 1), split backwards keep them until the weight pass."""
+    base = ["model.n_layer=8", "parallel.pp=2", "parallel.pp_stages_per_rank=2", "parallel.microbatches=4",
+            "trainer.micro_batch_size=0"]
+    inter = planner.inflight_per_stage(*_cfg_layout(tmp_path, base + ["parallel.pp_schedule=interleaved_1f1b"]))
+    assert [sum(r.values()) for r in inter] == [(2 - 1) * 2 + 2 * (2 - 1 - rank) + 1 for rank in (0, 1)]
+    zbv = planner.inflight_per_stage(*_cfg_layout(tmp_path, base + ["parallel.pp_schedule=zero_bubble"]))
+    assert all(sum(r.values()) >= 2 for r in zbv)
+
+
+def _cfg_layout(tmp_path, overrides):
+    cfg = config(tmp_path, *overrides)
+    return cfg, planner.check_layout(cfg, 2)
+
+
+def test_plan_cli_gpt2_xl_on_512_ranks(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert app.main(["--plan", "--world-size", "512", "--device-memory", "8GB", "--plan-json", str(out), *XL]) == 0
+    text = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    layouts = plan["layouts"]
+    assert plan["model"]["parameters"] == 1_557_611_200 and plan["world_size"] == 512
+    assert layouts[0]["configured"] and layouts[0]["layout"]["name"] == "ddp dp512"
+    assert not layouts[0]["fits"] and any(lp["fits"] for lp in layouts)  # ddp needs 16a = 25 GB
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if "layout" in line and "peak" in line)
+    end = next(i for i, line in enumerate(lines) if line.startswith("* configured layout"))
+    rows = lines[header + 1:end]
+    assert [r.split("  ")[1].strip() for r in rows] == [lp["layout"]["name"] for lp in layouts]
+    assert "NO" in rows[0] and "Korthikanti" in text
+    fitting = [lp["memory"]["peak"] for lp in layouts[1:] if lp["fits"]]
+    assert fitting == sorted(fitting)  # configured first, then fitting layouts by peak
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plan", "--device-memory", "80XB"], "--device-memory '80XB' is not a memory size"),
+    (["--plan", "--world-size", "0"], "--world-size must be >= 1"),
+    (["--world-size", "4"], "only apply with --plan"),
+])
+def test_plan_bad_flags_one_line_exit_2(argv, message, capsys):
+    assert app.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
