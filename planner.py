@@ -34,6 +34,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torch.distributed.pipelining import schedules
+
 from config import Config, ParallelConfig, UsageError, validate
 from model import GPTConfig
 from parallel import strategy_class
@@ -43,7 +45,8 @@ from parallel.pp import stage_block_counts, stage_to_pp_rank
 GPT2_VOCAB = 50257  # tiktoken r50k_base, the GPT-2 BPE (char_dataset.GPT2Tokenizer)
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 PARAM_BYTES = 4  # the model's parameters (and so their gradients) are fp32 under every precision
-DP_STRATEGIES = ("ddp", "zero-1", "zero-2", "zero-3", "fsdp")
+# what the alternatives put on the dp dimension; fsdp-keep = fsdp with reshard_after_forward=false
+DP_STRATEGIES = ("ddp", "zero-1", "zero-2", "zero-3", "fsdp", "fsdp-keep")
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -77,15 +80,14 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [f"{self.strategy} dp{self.dp}" if self.dp > 1 else "dp1"]
+        keep = " no-reshard" if self.strategy == "fsdp" and not self.reshard_after_forward else ""
+        parts = [f"{self.strategy}{keep} dp{self.dp}" if self.dp > 1 else "dp1"]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")
                          + ("+vocab" if self.tp_vocab_parallel else ""))
         if self.pp > 1:
             v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
             parts.append(f"pp{self.pp} {self.pp_schedule}{v}")
-        if self.strategy == "fsdp" and not self.reshard_after_forward:
-            parts.append("no-reshard")
         return " x ".join(parts)
 
 
@@ -359,12 +361,9 @@ def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: in
 
 
 def inflight_per_stage(cfg: Config, lay: Layout) -> list[dict[int, int]]:
-    """For each pp rank, the most micro-batches per local stage whose activations are alive at
-    once (taken at the moment their sum, weighted later by stage size, peaks is approximated by
-    the per-stage maxima of torch's own action order). gpipe: all M; 1f1b: min(M, p - rank)
-    (torch's warm-up); interleaved and zero-bubble schedules: torch's own action order replayed
-    (a forward adds a micro-batch; a full backward, or the weight half of a split backward,
-    frees it)."""
+    """For each pp rank, its local stages' micro-batches whose activations are alive at the
+    rank's peak. gpipe: all M; 1f1b: min(M, p - rank) (torch's warm-up, then one backward before
+    each forward); interleaved and zero-bubble schedules: torch's own action order replayed."""
     p, m = lay.pp, lay.microbatches
     placement = stage_to_pp_rank(cfg)
     out = []
@@ -380,39 +379,39 @@ def inflight_per_stage(cfg: Config, lay: Layout) -> list[dict[int, int]]:
 
 
 def _replay_order(lay: Layout, rank: int, stages: list[int]) -> dict[int, int]:
-    """Replays torch.distributed.pipelining's action list of one rank (the schedules compute it
-    from a few integers; an instance is made without stages to reach that computation)."""
-    from torch.distributed.pipelining import schedules as sch
+    """Replays one rank's action list of torch.distributed.pipelining: a forward adds a
+    micro-batch to its stage, a full backward (or, split, the weight half: the input half keeps the
+    graph for it) frees it; returns the counts at the moment most are alive. The schedules compute
+    the list from a few integers in `_calculate_single_rank_operations` (torch 2.13, private), so
+    an instance is made without stages or a process group to reach it; tests/test_planner.py
+    checks the result against the Megatron warm-up formula."""
     p, m, v = lay.pp, lay.microbatches, lay.stages_per_rank
     if lay.pp_schedule == "interleaved_1f1b":
-        cls = sch.ScheduleInterleaved1F1B
+        cls = schedules.ScheduleInterleaved1F1B
     elif v == 2:
-        cls = sch.ScheduleZBVZeroBubble
+        cls = schedules.ScheduleZBVZeroBubble
     else:
-        cls = sch.ScheduleInterleavedZeroBubble
+        cls = schedules.ScheduleInterleavedZeroBubble
     obj = cls.__new__(cls)
     obj.pp_group_size, obj.n_local_stages, obj._n_microbatches = p, v, m
     obj.num_stages = p * v
     obj.number_of_rounds = max(1, m // p)
     obj.microbatches_per_round = m // obj.number_of_rounds
     actions = [a for a in obj._calculate_single_rank_operations(rank) if a is not None]
+    kinds = schedules._ComputationType
+    split = any(a.computation_type == kinds.BACKWARD_WEIGHT for a in actions)
+    frees = kinds.BACKWARD_WEIGHT if split else kinds.FULL_BACKWARD
     live = {s: 0 for s in stages}
-    most = {s: 0 for s in stages}
-    best_total, at_best = -1, dict(live)
-    split = any(a.computation_type == sch._ComputationType.BACKWARD_WEIGHT for a in actions)
+    peak = dict(live)
     for a in actions:
-        kind = a.computation_type
-        if kind == sch._ComputationType.FORWARD:
+        if a.computation_type == kinds.FORWARD:
             live[a.stage_index] += 1
-        elif kind == sch._ComputationType.FULL_BACKWARD or (split and kind == sch._ComputationType.BACKWARD_WEIGHT):
+        elif a.computation_type == frees:
             live[a.stage_index] -= 1
-        for s in stages:
-            most[s] = max(most[s], live[s])
-        if sum(live.values()) > best_total:
-            best_total, at_best = sum(live.values()), dict(live)
-    # Stages of one rank hold about the same number of blocks: the moment with most micro-batches
-    # alive in total is the peak.
-    return at_best
+        # a rank's stages hold about the same number of blocks: the most alive in total is its peak
+        if sum(live.values()) > sum(peak.values()):
+            peak = dict(live)
+    return peak
 
 
 def bubble_fraction(lay: Layout) -> float:
@@ -629,6 +628,8 @@ def _layout_config(cfg: Config, strategy: str, tp: int, pp: int) -> Config:
     """cfg with this layout; options of another strategy, tp or pp go back to their defaults."""
     new = copy.deepcopy(cfg)
     p, d = new.parallel, ParallelConfig()
+    keep_gathered = strategy == "fsdp-keep"
+    strategy = "fsdp" if keep_gathered else strategy
     name, stage = (strategy.split("-") + ["1"])[:2] if strategy.startswith("zero") else (strategy, "1")
     keep = {"ddp": ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"),
             "zero": ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"),
@@ -644,6 +645,8 @@ def _layout_config(cfg: Config, strategy: str, tp: int, pp: int) -> Config:
             setattr(p, k, getattr(d, k))
     if name == "zero" and p.zero_stage == 2:
         p.gradient_as_bucket_view, p.static_graph = d.gradient_as_bucket_view, d.static_graph
+    if keep_gathered:
+        p.reshard_after_forward = False
     p.tp, p.pp = tp, pp
     if tp == 1:
         p.tp_vocab_parallel = p.sequence_parallel = False
@@ -655,13 +658,9 @@ def _layout_config(cfg: Config, strategy: str, tp: int, pp: int) -> Config:
     return new
 
 
-def _strategy_label(cfg: Config, world: int) -> str:
+def _strategy_label(cfg: Config) -> str:
     p = cfg.parallel
-    if p.strategy == "zero":
-        return f"zero-{p.zero_stage}"
-    if world == 1 and p.tp == 1 and p.pp == 1 and p.strategy == "ddp":
-        return "ddp"
-    return p.strategy
+    return f"zero-{p.zero_stage}" if p.strategy == "zero" else p.strategy
 
 
 def check_layout(cfg: Config, world: int) -> Layout:
@@ -672,7 +671,7 @@ def check_layout(cfg: Config, world: int) -> Layout:
     p = cfg.parallel
     # one data-parallel rank: the strategy has nothing to act on (ddp, zero-3 and fsdp leave the
     # model as it is), so those layouts are one layout
-    label = _strategy_label(cfg, world) if strategy.dp_size > 1 else "none"
+    label = _strategy_label(cfg) if strategy.dp_size > 1 else "none"
     return Layout(label, strategy.dp_size, p.tp, p.pp, p.pp_schedule if p.pp > 1 else "",
                   p.pp_stages_per_rank if p.pp > 1 else 1, strategy.micro_batch_size,
                   strategy.grad_accum_steps, p.activation_checkpointing, p.sequence_parallel,
@@ -699,6 +698,7 @@ def plan(cfg: Config, world: int, device_memory: int | None = None) -> Plan:
         mine, configured_error = None, str(e)
     refused: dict[str, str] = {}
     others: list[LayoutPlan] = []
+    seen: list[Layout] = [mine] if mine is not None else []
     for tp in divisors(world):
         for pp in divisors(world // tp):
             for strategy in DP_STRATEGIES:
@@ -708,8 +708,9 @@ def plan(cfg: Config, world: int, device_memory: int | None = None) -> Plan:
                 except UsageError as e:
                     refused[f"{strategy} tp{tp} pp{pp}"] = str(e)
                     continue
-                if mine is not None and lay == mine:
+                if lay in seen:  # e.g. every strategy at dp = 1, or fsdp as configured
                     continue
+                seen.append(lay)
                 others.append(plan_layout(alt, g, lay, False, device_memory))
     others.sort(key=lambda lp: (lp.fits is False, lp.memory.peak))
     return Plan(world, device_memory, model, configured_error, layouts + others, refused)
@@ -762,7 +763,7 @@ def render(pl: Plan, explain: bool = False) -> str:
              + (f" | device memory {fmt_bytes(pl.device_memory)}" if pl.device_memory else "")]
     if pl.configured_error:
         lines.append(f"configured layout refused on {pl.world_size} ranks: {pl.configured_error}")
-    header = ["", "layout", "mb x M", "params", "grads", "Adam", "act (x in flight)", "buffers", "peak", "fits",
+    header = ["", "layout", "mb x M", "params", "grads", "Adam", "act (x in flight)", "buf+tmp", "peak", "fits",
               "all-reduce", "red-scatter", "all-gather", "p2p", "tp", "bubble"]
     rows = []
     for lp in pl.layouts:
@@ -781,7 +782,7 @@ def render(pl: Plan, explain: bool = False) -> str:
         lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     lines.append(f"* configured layout; {len(pl.layouts)} layouts shown, {len(pl.refused)} refused "
-                 f"(--plan-json lists why); buffers include transients (logits at the loss, a recomputed block); "
+                 f"(--plan-json lists why); buf+tmp: communication buffers and transients (logits at the loss, a recomputed block); "
                  f"bytes moved per rank per optimizer step, busiest rank")
     lines.append(EXPLAIN if explain else LEGEND)
     return "\n".join(lines)

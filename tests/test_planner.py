@@ -6,10 +6,11 @@ and against measurement.
   ring volumes 2K(n-1)/n and FSDP's 2x-blocks + 1x-root all-gather;
 - activations saved for backward, one process (saved_tensors_hooks counting unique storages):
   activation checkpointing on and off, dropout (CPU kernels), bf16 autocast;
-- ONE 2-process launch (tests/plan_worker.py): parameters, gradients and Adam state read from every
-  strategy's own tensors (ddp, zero-1/2/3, fsdp at dp=2), tp=2 (plain, and sequence parallel +
-  vocabulary parallel), pp=2 with gpipe and 1f1b, and the bytes each rank saves for backward per
-  micro-batch in all of them;
+- one 2-process and one 4-process launch (tests/plan_worker.py): parameters, gradients and Adam
+  state read from each strategy's own tensors on every rank (ddp, zero-1/2/3, fsdp at dp=2; zero
+  and fsdp at dp=4 on sizes that pad), tp=2 (plain, and sequence + vocabulary parallel), pp=2 with
+  gpipe and 1f1b, dp2 x tp2, dp2 x pp2 (1f1b, interleaved), and the bytes each rank saves for
+  backward per micro-batch in all of them;
 - `main.py --plan`: GPT-2 XL on 512 ranks, JSON = table, device-memory flags; bad flags: one line.
 """
 from __future__ import annotations
@@ -26,9 +27,11 @@ from harness import TINY, torchrun
 from model import GPT, lm_loss
 from plan_worker import SavedBytes
 
-# ~1% would already catch a missing LayerNorm statistic or mask; measured agreement is exact to
-# the 16 bytes of an int64 slice's storage.
-RTOL = 0.01
+# The issue's bar is 5%; predictions agree to the byte, except that the trainer's inputs and targets
+# are views of one (b, s + 1) window of token ids where the planner counts 8bs bytes for each
+# (16 bytes apart per micro-batch here). A tolerance of 1% would let a missing LayerNorm statistic
+# through (0.2% of a block), so the test allows 64 bytes.
+SLACK = 64
 XL = ["data.tokenizer=gpt2", "model.n_layer=48", "model.n_head=25", "model.n_embd=1600",
       "model.block_size=1024", "trainer.batch_size=512"]
 
@@ -94,10 +97,11 @@ def test_activations_saved_for_backward_one_process(tmp_path, overrides):
             logits = model(x)
         loss = lm_loss(logits, y)
     loss.backward()
-    assert predicted == pytest.approx(saved.nbytes, rel=RTOL), (predicted, saved.nbytes)
+    assert predicted == pytest.approx(saved.nbytes, abs=SLACK), (predicted, saved.nbytes)
 
 
-CASES = {
+ODD = "model.n_embd=30 model.n_head=2"  # no tensor size divides by 4: shard padding and short last shards
+TWO_PROC = {
     "ddp": "parallel.strategy=ddp",
     "zero1": "parallel.strategy=zero parallel.zero_stage=1",
     "zero2": "parallel.strategy=zero parallel.zero_stage=2",
@@ -109,29 +113,52 @@ CASES = {
     "pp_gpipe": "parallel.pp=2 parallel.pp_schedule=gpipe",
     "pp_1f1b": "parallel.pp=2 parallel.pp_schedule=1f1b",
 }
+FOUR_PROC = {
+    "zero1_odd": f"parallel.strategy=zero parallel.zero_stage=1 {ODD}",
+    "zero2_odd": f"parallel.strategy=zero parallel.zero_stage=2 {ODD}",
+    "zero3_odd": f"parallel.strategy=zero parallel.zero_stage=3 {ODD}",
+    "fsdp_odd": f"parallel.strategy=fsdp {ODD}",
+    "fsdp_dp2_tp2": "parallel.strategy=fsdp parallel.tp=2",
+    "ddp_dp2_pp2": "parallel.strategy=ddp parallel.pp=2",
+    "fsdp_dp2_pp2_interleaved": "parallel.strategy=fsdp parallel.pp=2 parallel.pp_schedule=interleaved_1f1b "
+                                "parallel.pp_stages_per_rank=2",
+}
 
 
-def test_predictions_match_every_rank_measured(tmp_path):
+def check_against_measurement(tmp_path, nproc: int, cases: dict) -> None:
+    """One launch runs every case; each rank's figures against the prediction for its pipeline
+    rank. The prediction is the fullest rank's: with shards of unequal length (torch.chunk) the
+    last ranks hold less Adam state (FSDP2 pads parameters and gradients on every rank, not the
+    state AdamW creates like the unpadded shard), so the most any rank holds is compared."""
     args = ["tests/plan_worker.py", "--out", str(tmp_path)]
-    for name, overrides in CASES.items():
+    for name, overrides in cases.items():
         args += ["--case", name, overrides]
-    r = torchrun(2, args, timeout=240)
+    r = torchrun(nproc, args, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    for name, overrides in CASES.items():
+    for name, overrides in cases.items():
         cfg = config(tmp_path, *overrides.split())
         g = planner.gpt_config(cfg, planner.vocab_size(cfg)[0])
-        lp = planner.plan_layout(cfg, g, planner.check_layout(cfg, 2), True, None)
+        lp = planner.plan_layout(cfg, g, planner.check_layout(cfg, nproc), True, None)
         ranks = json.loads((tmp_path / f"{name}.json").read_text())["ranks"]
-        for rank, got in enumerate(ranks):
-            want = lp.per_pp_rank[got["pp_rank"]]
-            assert got["forwards"] == lp.layout.microbatches
+        assert {got["forwards"] for got in ranks} == {lp.layout.microbatches}, name
+        for pp_rank, want in enumerate(lp.per_pp_rank):
+            mine = [got for got in ranks if got["pp_rank"] == pp_rank]
             for key in ("params", "grads", "optimizer", "activations_per_microbatch"):
-                assert getattr(want, key) == pytest.approx(got[key], rel=RTOL), (name, rank, key)
+                most = max(got[key] for got in mine)
+                assert getattr(want, key) == pytest.approx(most, abs=SLACK), (name, pp_rank, key)
+
+
+def test_predictions_match_two_processes(tmp_path):
+    check_against_measurement(tmp_path, 2, TWO_PROC)
     # what the schedules keep in flight on each rank (torch's warm-up: gpipe all M, 1f1b p - rank)
-    gpipe = planner.plan_layout(*_args(tmp_path, CASES["pp_gpipe"]), True, None)
-    one_f_one_b = planner.plan_layout(*_args(tmp_path, CASES["pp_1f1b"]), True, None)
+    gpipe = planner.plan_layout(*_args(tmp_path, TWO_PROC["pp_gpipe"]), True, None)
+    one_f_one_b = planner.plan_layout(*_args(tmp_path, TWO_PROC["pp_1f1b"]), True, None)
     assert [r.inflight_microbatches for r in gpipe.per_pp_rank] == [4, 4]
     assert [r.inflight_microbatches for r in one_f_one_b.per_pp_rank] == [2, 1]
+
+
+def test_predictions_match_four_processes(tmp_path):
+    check_against_measurement(tmp_path, 4, FOUR_PROC)
 
 
 def _args(tmp_path, overrides):
