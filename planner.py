@@ -415,7 +415,9 @@ def _replay_order(lay: Layout, rank: int, stages: list[int]) -> dict[int, int]:
 
 
 def bubble_fraction(lay: Layout) -> float:
-    if lay.pp == 1:
+    """Idle fraction of a schedule step when forward and backward of a stage take equal time;
+    zero-bubble schedules fill it with weight-gradient work (about 0 when F = B = W)."""
+    if lay.pp == 1 or lay.pp_schedule == "zero_bubble":
         return 0.0
     v = lay.stages_per_rank if lay.pp_schedule == "interleaved_1f1b" else 1
     return (lay.pp - 1) / (v * lay.microbatches + lay.pp - 1)
@@ -752,7 +754,7 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
   moved: tp: 4 collectives of E per block per micro-batch (all-reduce, or reduce-scatter + all-gather with sequence
     parallel: the same bytes), 2 x payload (t-1)/t; pp: activations forward and gradients backward, E per stage
     boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
-  bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved"""
+  bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, 0 for zero-bubble (weight passes fill it)"""
 
 
 def render(pl: Plan, explain: bool = False) -> str:
@@ -781,6 +783,9 @@ def render(pl: Plan, explain: bool = False) -> str:
     for r in rows:
         lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    if not pl.layouts:  # say why, without the JSON: the distinct reasons
+        for reason in sorted(set(pl.refused.values()))[:5]:
+            lines.append(f"refused: {reason}")
     lines.append(f"* configured layout; {len(pl.layouts)} layouts shown, {len(pl.refused)} refused "
                  f"(--plan-json lists why); buf+tmp: communication buffers and transients (logits at the loss, a recomputed block); "
                  f"bytes moved per rank per optimizer step, busiest rank")
