@@ -10,7 +10,7 @@ JSON (`--plan-json`), so a report that measures layouts can put its numbers next
 
 Where the numbers come from (each is checked against measurement in tests/test_planner.py):
 - Parameters: the shapes of model.py's GPT (`parameter_inventory`), placed by the same rules as
-  parallel/: pipeline stages from parallel.pp (the tied embedding/head keeps a copy on the first
+  parallel/: pipeline stages of parallel.layout.Layout (the tied embedding/head keeps a copy on the first
   and the last stage), Megatron column/row splits of parallel/tp.py (torch.chunk rows/columns),
   ZeRO-1/2 element slices of parallel/zero.py (ceil(numel / n) per tensor) and FSDP2's dim-0
   shards (ceil(dim0 / n) rows per tensor). fp32 AdamW: parameters 4 bytes, gradients 4, state 8
@@ -38,9 +38,7 @@ from torch.distributed.pipelining import schedules
 
 from config import Config, ParallelConfig, UsageError, validate
 from model import GPTConfig
-from parallel import strategy_class
-from parallel.mesh import DistEnv
-from parallel.pp import stage_block_counts, stage_to_pp_rank
+from parallel.layout import Layout
 
 GPT2_VOCAB = 50257  # tiktoken r50k_base, the GPT-2 BPE (char_dataset.GPT2Tokenizer)
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -64,7 +62,7 @@ class ParamSpec:
 
 
 @dataclass
-class Layout:
+class PlannedLayout:
     strategy: str  # none | dp | ddp | zero-1 | zero-2 | zero-3 | fsdp
     dp: int
     tp: int
@@ -77,6 +75,8 @@ class Layout:
     sequence_parallel: bool
     tp_vocab_parallel: bool
     reshard_after_forward: bool
+    stage_blocks: tuple[int, ...]  # transformer blocks per pipeline stage (parallel.layout.Layout)
+    stage_placement: tuple[int, ...]  # stage -> pp rank
 
     @property
     def name(self) -> str:
@@ -123,7 +123,7 @@ class RankMemory:
 class LayoutPlan:
     name: str
     configured: bool
-    layout: Layout
+    layout: PlannedLayout
     memory: RankMemory  # the rank with the highest peak
     per_pp_rank: list[RankMemory]
     collectives: list[Collective]
@@ -334,7 +334,7 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
 
 
 def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: int, first: bool,
-                           last: bool, lay: Layout) -> int:
+                           last: bool, lay: PlannedLayout) -> int:
     """Saved-for-backward bytes of one pipeline stage (or the whole model) for one micro-batch of
     b sequences: its blocks, plus token/position ids (and the embedding dropout mask) on the
     first stage, plus ln_f, the LM head input and the loss's log-softmax (fp32, b*s*V; over
@@ -360,15 +360,14 @@ def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: in
 # ----------------------------------------------------------------------------- pipelines
 
 
-def inflight_per_stage(cfg: Config, lay: Layout) -> list[dict[int, int]]:
+def inflight_per_stage(lay: PlannedLayout) -> list[dict[int, int]]:
     """For each pp rank, its local stages' micro-batches whose activations are alive at the
     rank's peak. gpipe: all M; 1f1b: min(M, p - rank) (torch's warm-up, then one backward before
     each forward); interleaved and zero-bubble schedules: torch's own action order replayed."""
     p, m = lay.pp, lay.microbatches
-    placement = stage_to_pp_rank(cfg)
     out = []
     for r in range(p):
-        stages = [s for s in sorted(placement) if placement[s] == r]
+        stages = [s for s, rank in enumerate(lay.stage_placement) if rank == r]
         if lay.pp_schedule == "gpipe":
             out.append({s: m for s in stages})
         elif lay.pp_schedule == "1f1b":
@@ -378,7 +377,7 @@ def inflight_per_stage(cfg: Config, lay: Layout) -> list[dict[int, int]]:
     return out
 
 
-def _replay_order(lay: Layout, rank: int, stages: list[int]) -> dict[int, int]:
+def _replay_order(lay: PlannedLayout, rank: int, stages: list[int]) -> dict[int, int]:
     """Replays one rank's action list of torch.distributed.pipelining: a forward adds a
     micro-batch to its stage, a full backward (or, split, the weight half: the input half keeps the
     graph for it) frees it; returns the counts at the moment most are alive. The schedules compute
@@ -414,7 +413,7 @@ def _replay_order(lay: Layout, rank: int, stages: list[int]) -> dict[int, int]:
     return peak
 
 
-def bubble_fraction(lay: Layout) -> float:
+def bubble_fraction(lay: PlannedLayout) -> float:
     """Idle fraction of a schedule step when forward and backward of a stage take equal time;
     zero-bubble schedules fill it with weight-gradient work (about 0 when F = B = W)."""
     if lay.pp == 1 or lay.pp_schedule == "zero_bubble":
@@ -426,15 +425,14 @@ def bubble_fraction(lay: Layout) -> float:
 # ----------------------------------------------------------------------------- one layout
 
 
-def _owned_tensors(g: GPTConfig, cfg: Config, lay: Layout) -> list[list[tuple[ParamSpec, bool]]]:
+def _owned_tensors(g: GPTConfig, lay: PlannedLayout) -> list[list[tuple[ParamSpec, bool]]]:
     """Per pp rank: (tensor, optimizer owns it) for every tensor held. The tied weight's copy on
     the last stage is a separate tensor when another rank (or, V-shape, another stage module)
     holds the first; a V-shape rank leaves that copy out of the optimizer."""
     inv = parameter_inventory(g)
     if lay.pp == 1:
         return [[(t, True) for t in inv]]
-    counts = stage_block_counts(cfg)
-    placement = stage_to_pp_rank(cfg)
+    counts, placement = lay.stage_blocks, lay.stage_placement
     starts = [sum(counts[:i]) for i in range(len(counts))]
     n_stages = len(counts)
     out = []
@@ -458,7 +456,7 @@ def _owned_tensors(g: GPTConfig, cfg: Config, lay: Layout) -> list[list[tuple[Pa
 
 
 def _zero_buckets(tensors: list[ParamSpec], local, cap_bytes: float) -> int:
-    """Largest bucket of parallel/zero.py in elements: decay (matrices) then no-decay tensors,
+    """Largest bucket of parallel/zero_shard.py in elements: decay (matrices) then no-decay tensors,
     reversed, a bucket closes once it reaches bucket_cap_mb."""
     order = [t for t in tensors if len(t.shape) >= 2] + [t for t in tensors if len(t.shape) < 2]
     largest, size = 0, 0
@@ -469,12 +467,12 @@ def _zero_buckets(tensors: list[ParamSpec], local, cap_bytes: float) -> int:
     return max(largest, size)
 
 
-def plan_layout(cfg: Config, g: GPTConfig, lay: Layout, configured: bool,
+def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
                 device_memory: int | None) -> LayoutPlan:
     p = cfg.parallel
     n, tp = lay.dp, lay.tp
     am = activation_model(cfg, lay.strategy)
-    per_rank_held = _owned_tensors(g, cfg, lay)
+    per_rank_held = _owned_tensors(g, lay)
     fsdp_like = lay.strategy in ("zero-3", "fsdp") and n > 1
     mp = lay.strategy == "fsdp" and p.mixed_precision != "none"
     gathered_bytes = 2 if mp else PARAM_BYTES  # FSDP2 all-gathers in param_dtype
@@ -495,8 +493,8 @@ def plan_layout(cfg: Config, g: GPTConfig, lay: Layout, configured: bool,
     shard_grads = fsdp_like or (lay.strategy == "zero-2" and n > 1)
     shard_optim = fsdp_like or (lay.strategy in ("zero-1", "zero-2") and n > 1)
 
-    stage_counts = [g.n_layer] if lay.pp == 1 else stage_block_counts(cfg)
-    inflight = inflight_per_stage(cfg, lay) if lay.pp > 1 else [{0: 1}]
+    stage_counts = lay.stage_blocks
+    inflight = inflight_per_stage(lay) if lay.pp > 1 else [{0: 1}]
     b = lay.micro_batch_size
     n_stages = len(stage_counts)
     ranks: list[RankMemory] = []
@@ -665,19 +663,20 @@ def _strategy_label(cfg: Config) -> str:
     return f"zero-{p.zero_stage}" if p.strategy == "zero" else p.strategy
 
 
-def check_layout(cfg: Config, world: int) -> Layout:
-    """The Layout for cfg on `world` ranks, after the same checks a launch runs (config.validate
-    and the strategy's validate_layout, which needs no process group); UsageError if refused."""
+def check_layout(cfg: Config, world: int) -> PlannedLayout:
+    """The layout of cfg on `world` ranks after the checks a launch runs before any process group
+    (config.validate, parallel.layout.Layout.of); UsageError if refused."""
     validate(cfg)
-    strategy = strategy_class(cfg.parallel.strategy)(cfg, DistEnv(world_size=world), None)
+    lay = Layout.of(cfg, world)
     p = cfg.parallel
     # one data-parallel rank: the strategy has nothing to act on (ddp, zero-3 and fsdp leave the
     # model as it is), so those layouts are one layout
-    label = _strategy_label(cfg) if strategy.dp_size > 1 else "none"
-    return Layout(label, strategy.dp_size, p.tp, p.pp, p.pp_schedule if p.pp > 1 else "",
-                  p.pp_stages_per_rank if p.pp > 1 else 1, strategy.micro_batch_size,
-                  strategy.grad_accum_steps, p.activation_checkpointing, p.sequence_parallel,
-                  p.tp_vocab_parallel, p.reshard_after_forward if label == "fsdp" else label == "zero-3")
+    label = _strategy_label(cfg) if lay.dp > 1 else "none"
+    return PlannedLayout(label, lay.dp, lay.tp, lay.pp, p.pp_schedule if lay.pp > 1 else "",
+                         p.pp_stages_per_rank if lay.pp > 1 else 1, lay.micro_batch_size, lay.microbatches,
+                         p.activation_checkpointing, p.sequence_parallel, p.tp_vocab_parallel,
+                         p.reshard_after_forward if label == "fsdp" else label == "zero-3",
+                         tuple(lay.stage_blocks), tuple(lay.stage_placement))
 
 
 def divisors(n: int) -> list[int]:
@@ -700,7 +699,7 @@ def plan(cfg: Config, world: int, device_memory: int | None = None) -> Plan:
         mine, configured_error = None, str(e)
     refused: dict[str, str] = {}
     others: list[LayoutPlan] = []
-    seen: list[Layout] = [mine] if mine is not None else []
+    seen: list[PlannedLayout] = [mine] if mine is not None else []
     for tp in divisors(world):
         for pp in divisors(world // tp):
             for strategy in DP_STRATEGIES:

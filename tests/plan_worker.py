@@ -52,7 +52,7 @@ class SavedBytes:
 def run_case(overrides: list[str], run_dir: Path) -> dict:
     from config import load_config
     from main import build_trainer
-    from parallel.mesh import init_distributed
+    from parallel.env import init_distributed
 
     cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}", "trainer.device=cpu"] + overrides)
     trainer = build_trainer(cfg, init_distributed(cfg), run_dir)
@@ -64,9 +64,9 @@ def run_case(overrides: list[str], run_dir: Path) -> dict:
         trainer.forward_backward()
     memory = s.resident_bytes(trainer.optimizer)
     trainer.optimizer_step()
-    forwards = s.pipeline.microbatches if s.pipeline is not None else s.grad_accum_steps
+    forwards = s.layout.microbatches  # pipeline micro-batches or accumulation steps
     mine = {**memory, "activations_per_microbatch": saved.nbytes // forwards, "forwards": forwards,
-            "pp_rank": s.mesh["pp"].get_local_rank()}
+            "pp_rank": s.coordinate.pp}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {"ranks": everyone}

@@ -171,15 +171,14 @@ def test_interleaved_and_zero_bubble_replay_torchs_order(tmp_path):
     Megatron warm-up (v-1)p + 2(p-1-rank) + 1), split backwards keep them until the weight pass."""
     base = ["model.n_layer=8", "parallel.pp=2", "parallel.pp_stages_per_rank=2", "parallel.microbatches=4",
             "trainer.micro_batch_size=0"]
-    inter = planner.inflight_per_stage(*_cfg_layout(tmp_path, base + ["parallel.pp_schedule=interleaved_1f1b"]))
+    inter = planner.inflight_per_stage(_cfg_layout(tmp_path, base + ["parallel.pp_schedule=interleaved_1f1b"]))
     assert [sum(r.values()) for r in inter] == [(2 - 1) * 2 + 2 * (2 - 1 - rank) + 1 for rank in (0, 1)]
-    zbv = planner.inflight_per_stage(*_cfg_layout(tmp_path, base + ["parallel.pp_schedule=zero_bubble"]))
+    zbv = planner.inflight_per_stage(_cfg_layout(tmp_path, base + ["parallel.pp_schedule=zero_bubble"]))
     assert all(sum(r.values()) >= 2 for r in zbv)
 
 
 def _cfg_layout(tmp_path, overrides):
-    cfg = config(tmp_path, *overrides)
-    return cfg, planner.check_layout(cfg, 2)
+    return planner.check_layout(config(tmp_path, *overrides), 2)
 
 
 def test_plan_cli_gpt2_xl_on_512_ranks(tmp_path, capsys):
