@@ -12,7 +12,7 @@ Where the numbers come from (each is checked against measurement in tests/test_p
 - Parameters: the shapes of model.py's GPT (`parameter_inventory`), placed by the same rules as
   parallel/: pipeline stages of parallel.layout.Layout (the tied embedding/head keeps a copy on the first
   and the last stage), Megatron column/row splits of parallel/tp.py (torch.chunk rows/columns),
-  ZeRO-1/2 element slices of parallel/zero.py (ceil(numel / n) per tensor) and FSDP2's dim-0
+  ZeRO-1/2 element slices of parallel/zero_shard.py (ceil(numel / n) per tensor) and FSDP2's dim-0
   shards (ceil(dim0 / n) rows per tensor). fp32 AdamW: parameters 4 bytes, gradients 4, state 8
   per element; with `a` parameters on n ranks that is the ZeRO paper's (Rajbhandari et al. 2020)
   16a (ddp), 4a + 4a + 8a/n (stage 1), 4a + 12a/n (stage 2), 16a/n (stage 3 / fsdp).
@@ -539,14 +539,18 @@ def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
                                                     else "gathered weights + this rank's slice"))
         elif fsdp_like:
             stage_block_elems = sum(numel(local(t)) for t, _ in held if t.where == "block")
-            kept = stage_block_elems if not lay.reshard_after_forward else 2 * block_elems
+            # torch's pipeline stages keep FSDP parameters gathered after every backward but the
+            # last (PipelineStage: set_reshard_after_backward(False)), so a stage's blocks can all
+            # be gathered at once; without pp two blocks are (the current one and the prefetch)
+            whole = not lay.reshard_after_forward or lay.pp > 1
+            kept = stage_block_elems if whole else 2 * block_elems
             buffers = (root_elems + kept) * gathered_bytes + 2 * block_elems * reduce_bytes
             if lay.microbatches > 1:
                 buffers += local_elems * PARAM_BYTES
                 notes.append("FSDP2 keeps unsharded gradients across the accumulated micro-batches")
             notes.append("FSDP2: root (embeddings, head) stays gathered; "
-                         + ("two blocks gathered at a time" if lay.reshard_after_forward
-                            else "every block stays gathered from forward to backward"))
+                         + ("every block of the stage may be gathered at once" if whole
+                            else "two blocks gathered at a time"))
         if lay.strategy == "fsdp" and p.cpu_offload and n > 1:
             host = params + grads + optim
             params = grads = optim = 0
@@ -554,7 +558,7 @@ def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
         peak = params + grads + optim + act + transient + buffers
         ranks.append(RankMemory(r, params, grads, optim, act, per_mb,
                                 round(act / per_mb, 2) if per_mb else 0.0, transient, buffers, host, peak, notes))
-        collectives_by_rank.append(_collectives(cfg, g, lay, held, local, am, r, stages, n_stages,
+        collectives_by_rank.append(_collectives(g, lay, held, local, am, stages, n_stages,
                                                 gathered_bytes, reduce_bytes))
     top = max(range(len(ranks)), key=lambda i: ranks[i].peak)
     busiest = max(range(len(ranks)), key=lambda i: sum(c.moved_bytes for c in collectives_by_rank[i]))
@@ -567,8 +571,11 @@ def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
                       by_kind, total, fits, bubble_fraction(lay))
 
 
-def _collectives(cfg, g, lay, held, local, am, r, stages, n_stages, gathered_bytes, reduce_bytes):
-    """Ring volumes per optimizer step on pp rank r (payload K bytes, n ranks in the group)."""
+def _collectives(g: GPTConfig, lay: PlannedLayout, held: list[tuple[ParamSpec, bool]], local,
+                 am: ActivationModel, stages: list[int], n_stages: int, gathered_bytes: int,
+                 reduce_bytes: int) -> list[Collective]:
+    """Ring volumes per optimizer step on the pp rank holding `held` and `stages` (payload K
+    bytes, n ranks in the group)."""
     n, tp, m = lay.dp, lay.tp, lay.microbatches
     out: list[Collective] = []
     grad_elems = sum(numel(local(t)) for t, _ in held)
@@ -591,8 +598,9 @@ def _collectives(cfg, g, lay, held, local, am, r, stages, n_stages, gathered_byt
             blocks = grad_elems - root
             gathers = 2 if lay.reshard_after_forward else 1
             ag = (gathers * blocks + root) * gathered_bytes * m
+            upper = " (an upper bound under pp: stages stay gathered between backwards)" if lay.pp > 1 else ""
             out.append(Collective("all-gather", "dp", f"parameters: blocks {gathers}x (forward"
-                                  f"{' + backward' if gathers == 2 else ''}), root 1x, per micro-batch",
+                                  f"{' + backward' if gathers == 2 else ''}), root 1x, per micro-batch{upper}",
                                   ag, round(ag * ring), f"m ({gathers}K_blocks + K_root)(n-1)/n"))
             rs = grad_elems * reduce_bytes
             out.append(Collective("reduce-scatter", "dp", "gradients once per step", rs, round(rs * ring),
@@ -746,10 +754,10 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
     backward (counted as transient). First stage: token and position ids (int64); last stage: ln_f input E, head
     input E, log-softmax output 4bsV (fp32; /t with vocab-parallel loss), targets.
   transient: logits + their fp32 gradient at the loss (bsV (e + 4)), or one recomputed block with checkpointing
-  buffers: zero-1/2: the largest bucket (bucket_cap_mb) twice + its slice; fsdp/zero-3: root parameters stay gathered,
-    2 blocks gathered (all blocks with reshard_after_forward=false) + 2 blocks of unsharded gradients; with gradient
-    accumulation FSDP2 keeps the whole unsharded gradient (4a) between micro-batches; ddp: +4a of buckets when
-    gradient_as_bucket_view=false
+  buffers: zero-1/2: the largest bucket (bucket_cap_mb) (zero-2: twice) + its slice; fsdp/zero-3: root parameters
+    stay gathered, 2 blocks gathered (a stage's blocks with reshard_after_forward=false or under pp, whose stages keep
+    them gathered between backwards) + 2 blocks of unsharded gradients; with gradient accumulation FSDP2 keeps the
+    whole unsharded gradient (4a) between micro-batches; ddp: +4a of buckets when gradient_as_bucket_view=false
   moved: tp: 4 collectives of E per block per micro-batch (all-reduce, or reduce-scatter + all-gather with sequence
     parallel: the same bytes), 2 x payload (t-1)/t; pp: activations forward and gradients backward, E per stage
     boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
