@@ -157,6 +157,7 @@ class ParallelConfig:
     mixed_precision: str = "none"  # none | bf16 | fp16: FSDP2 param dtype (reduce in reduce_dtype)
     reduce_dtype: str = "fp32"  # fp32 | bf16 | fp16
     cpu_offload: bool = False
+    dp_replicate: int = 1  # HSDP: replicate over this many groups of dp ranks, shard within each
     # any strategy
     activation_checkpointing: bool = False
     # tensor parallel
@@ -413,6 +414,7 @@ def validate(cfg: Config) -> None:
     _choice("parallel.strategy", p.strategy, STRATEGIES)
     _positive("parallel.tp", p.tp)
     _positive("parallel.pp", p.pp)
+    _positive("parallel.dp_replicate", p.dp_replicate)
     _positive("parallel.bucket_cap_mb", p.bucket_cap_mb)
     if p.zero_stage not in (1, 2, 3):
         raise UsageError(f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
@@ -485,6 +487,7 @@ _STRATEGY_ONLY = {
     "mixed_precision": ("fsdp",),
     "reduce_dtype": ("fsdp",),
     "cpu_offload": ("fsdp",),
+    "dp_replicate": ("fsdp",),
     "bucket_cap_mb": ("ddp", "zero"),
     "gradient_as_bucket_view": ("ddp",),
     "static_graph": ("ddp",),

@@ -1,4 +1,5 @@
-"""The full 3-D mesh: dp=2 x tp=2 x pp=2 on 8 processes (CPU, gloo) against one process.
+"""The full 3-D mesh: dp=2 x tp=2 x pp=2 on 8 processes (CPU, gloo) against one process, and
+HSDP x tp (2 replicas x 2 shards x tp 2) in the same launch.
 
 Trains the tests' TINY model for 10 steps with FSDP2 over dp, Megatron TP over tp and a 1F1B
 pipeline over pp (tied embedding/head: first and last stage sum its gradient), in ONE 8-process
@@ -31,6 +32,8 @@ from tp_pp_worker import run_case  # noqa: E402
 
 STEPS = 10
 MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=1f1b"
+# HSDP composed with tensor parallelism on the same 8 processes: dp_replicate 2 x dp_shard 2 x tp 2
+HSDP_TP = "parallel.strategy=fsdp parallel.dp_replicate=2 parallel.tp=2"
 
 
 def main() -> int:
@@ -40,7 +43,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         ref = run_case(["parallel.strategy=none"], STEPS, out / "ref")
-        cmd = ["tests/tp_pp_worker.py", "--out", str(out), "--steps", str(STEPS), "--case", "mesh", MESH]
+        cmd = ["tests/tp_pp_worker.py", "--out", str(out), "--steps", str(STEPS), "--case", "mesh", MESH,
+               "--case", "hsdp_tp", HSDP_TP]
         if args.app:
             cmd += ["--app", " ".join(TINY + MESH.split() + ["trainer.max_steps=10",
                                                               f"trainer.run_dir={out / 'app'}"])]
@@ -64,6 +68,11 @@ def main() -> int:
               f"{errors['param_abs']:.1e} abs")
         assert_parity(ref, got, "dp2 x tp2 x pp2")
         assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"]
+        hsdp = load_case(out, "hsdp_tp")
+        errors = parity_errors(ref, hsdp)
+        print(f"hsdp 2x2 x tp 2: max differences: gradient norm {errors['norm_rel']:.1e} rel, parameters "
+              f"after the last step {errors['param_abs']:.1e} abs")
+        assert_parity(ref, hsdp, "dp_replicate2 x dp_shard2 x tp2")
         if args.app:
             codes = json.loads((out / "app_exit_codes.json").read_text())
             files = sorted(p.name for p in (out / "app").iterdir())

@@ -11,6 +11,11 @@ reshard_after_forward off, backward reuses forward's gather: 2x). On gloo the re
 parallel/collectives.py's (FSDP2's `set_custom_reduce_scatter` hook): gloo's own moves an
 all-reduce's volume.
 
+HSDP (`parallel.dp_replicate=R`): the dp ranks form R replica groups of dp/R ranks; FSDP2 gets
+the 2-D mesh (dp_replicate, dp_shard), shards within a group and all-reduces the gradient shards
+across groups (per rank 16a/(dp/R) bytes; the all-gathers stay inside a group, which is what
+multi-node users want: put a group on one node's fast interconnect).
+
 Options (all `parallel.`):
 - reshard_after_forward: free a block's gathered parameters after its forward (ZeRO-3) or keep
   them until backward (no second all-gather; memory between ZeRO-2 and ZeRO-3).
@@ -62,8 +67,12 @@ class FSDPStrategy(Strategy):
     def describe_dp(self) -> str:
         if self.dp_size == 1:
             return f"{self.name} (one data-parallel rank: nothing to shard)"
-        p = self.cfg.parallel
+        p, lay = self.cfg.parallel, self.layout
         extras = [f"params {p.mixed_precision}, reduce {p.reduce_dtype}"] if p.mixed_precision != "none" else []
+        if lay.dp_replicate > 1:
+            return (f"hsdp (FSDP2 sharded over {lay.dp_shard} ranks x replicated over {lay.dp_replicate} groups, "
+                    f"reshard after forward {'on' if self.reshard_after_forward else 'off'}"
+                    f"{''.join(', ' + e for e in extras)})")
         extras += ["cpu offload"] if p.cpu_offload else []
         return (f"{self.name} (FSDP2 per block + root, reshard after forward "
                 f"{'on' if self.reshard_after_forward else 'off'}{''.join(', ' + e for e in extras)})")
@@ -75,7 +84,10 @@ class FSDPStrategy(Strategy):
         module itself for what is left (embeddings, ln_f, head)."""
         if self.dp_size == 1:
             return module
-        kwargs = dict(mesh=self.mesh["dp"], reshard_after_forward=self.reshard_after_forward,
+        # HSDP: a 2-D mesh, (Replicate, Shard(0)): reduce-scatter within a replica group, then
+        # all-reduce the shards across the groups.
+        dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else self.mesh["dp"]
+        kwargs = dict(mesh=dp_mesh, reshard_after_forward=self.reshard_after_forward,
                       mp_policy=self.mp_policy(), offload_policy=self.offload_policy())
         for block in module.blocks.values():
             fully_shard(block, **kwargs)

@@ -25,6 +25,8 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from config import Config, UsageError
 
 MESH_DIMS = ("pp", "dp", "tp")
+# With parallel.dp_replicate = R > 1 (HSDP) dp is built as (R, dp / R) and flattened back into "dp".
+HSDP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 # Data-parallel engines that hold plain tensors only: they cannot take tensor-parallel (DTensor)
 # parameters when dp > 1 (DDP broadcasts and reduces plain tensors: measured), and ZeRO-1/2's own
 # element sharding splits plain tensors (ZeRO-3 is FSDP2, which composes with tp and pp).
@@ -50,6 +52,7 @@ class Layout:
     stage_blocks: tuple[int, ...] = ()  # transformer blocks per stage
     stage_placement: tuple[int, ...] = (0,)  # stage -> pp rank
     v_shape: bool = False  # ZB-V: rank r holds stages r and S-1-r
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard (FSDP2 shards over dp_shard only)
 
     # ------------------------------------------------------------------ building and checking
 
@@ -65,6 +68,9 @@ class Layout:
             raise UsageError(f"parallel.strategy=dp drives all GPUs from ONE process but this launch has "
                              f"{world_size} processes; run `python main.py parallel.strategy=dp` "
                              f"or use parallel.strategy=ddp under torchrun")
+        if dp % p.dp_replicate:
+            raise UsageError(f"parallel.dp_replicate={p.dp_replicate} does not divide the {dp} data-parallel ranks "
+                             f"(world size {world_size} / (tp x pp)); use a divisor of {dp}")
         if t.batch_size % dp:
             raise UsageError(f"trainer.batch_size={t.batch_size} is not divisible by the "
                              f"{dp} data-parallel ranks; use a multiple of {dp}")
@@ -86,7 +92,7 @@ class Layout:
                                  f"per-rank batch {per_rank} (= batch_size / dp ranks); pick a "
                                  f"divisor of {per_rank}")
             layout = cls(pp=1, dp=dp, tp=p.tp, batch_size=t.batch_size, microbatches=per_rank // micro,
-                         stage_blocks=(cfg.model.n_layer,))
+                         stage_blocks=(cfg.model.n_layer,), dp_replicate=p.dp_replicate)
         if p.static_graph and layout.microbatches > 1:
             # torch DDP bug (pytorch#143580, fix pending in #187732): static_graph with no_sync()
             # asserts in the reducer on the first backward, and once past that stops reducing.
@@ -127,7 +133,7 @@ class Layout:
                              f"({dp} dp ranks): use 1f1b or interleaved_1f1b, or dp = 1")
         return cls(pp=p.pp, dp=dp, tp=p.tp, batch_size=t.batch_size, microbatches=m, num_stages=stages,
                    stage_blocks=blocks, stage_placement=tuple(placement[s] for s in range(stages)),
-                   v_shape=v_shape)
+                   v_shape=v_shape, dp_replicate=p.dp_replicate)
 
     # ------------------------------------------------------------------ degrees and batch split
 
@@ -146,6 +152,11 @@ class Layout:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks FSDP2 shards over: dp, or dp / dp_replicate under HSDP."""
+        return self.dp // self.dp_replicate
 
     @property
     def per_rank_batch(self) -> int:
@@ -176,10 +187,18 @@ class Layout:
         return self.rank_of(pp=self.stage_placement[-1])
 
     def build_mesh(self, device_type: str, distributed: bool) -> DeviceMesh | None:
-        """Collective. The named 3-D DeviceMesh, or None for a single process."""
+        """Collective. The named 3-D DeviceMesh ("pp", "dp", "tp"), or None for a single process.
+        Under HSDP it is 4-D, ("pp", "dp_replicate", "dp_shard", "tp"), with the two data-parallel
+        dimensions also flattened into "dp" (rank-major, so dp rank = replica x dp_shard + shard,
+        the same coordinate as without HSDP: the batch split does not change)."""
         if not distributed:
             return None
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        if self.dp_replicate == 1:
+            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=HSDP_MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan does the same (private API, torch 2.13)
+        return mesh
 
 
 def describe(cfg: Config, layout: Layout, dp_engine: str) -> str:

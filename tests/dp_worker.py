@@ -21,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from harness import TINY, save_cases  # noqa: E402
+from parallel.dtensor import full_tensor  # noqa: E402
 
 SAVE_STEPS = 3
 GROUP_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "eps", "params")
@@ -28,8 +29,7 @@ GROUP_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "eps", "params")
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """Collective for a DTensor: the full tensor on every rank, as a plain CPU copy."""
-    t = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return t.detach().cpu().clone()
+    return full_tensor(t).detach().cpu().clone()
 
 
 def whole_state(strategy, optimizer) -> dict:

@@ -173,6 +173,9 @@ BAD_INPUTS = {
     "n_head % tp": (["parallel.tp=3"], "not divisible by parallel.tp=3"),
     "world size vs tp": (["parallel.tp=2"], "world size 1 is not divisible"),
     "strategy-only option": (["parallel.strategy=none", "parallel.zero_stage=2"], "only applies to"),
+    "dp_replicate": (["parallel.strategy=fsdp", "parallel.dp_replicate=0"], "parallel.dp_replicate must be > 0"),
+    "dp_replicate without fsdp": (["parallel.strategy=ddp", "parallel.dp_replicate=2"],
+                                  "parallel.dp_replicate only applies to parallel.strategy=fsdp"),
     "pp-only option": (["parallel.pp_schedule=gpipe"], "only applies with parallel.pp > 1"),
 }
 

@@ -65,6 +65,7 @@ FOUR_PROC = {
     "zero2_odd": (f"{ZERO}2 {ODD}", "odd"),
     "zero3_odd": (f"{ZERO}3 {ODD}", "odd"),
     "fsdp_odd": (f"parallel.strategy=fsdp {ODD}", "odd"),
+    "hsdp": ("parallel.strategy=fsdp parallel.dp_replicate=2", "fp32"),  # 2 replicas x 2 shards
 }
 REFERENCES = {"fp32": "", "bf16": "trainer.precision=bf16", "fp16": "trainer.precision=fp16", "odd": ODD}
 # FSDP2 compute in bf16 (sharded fp32 master weights): not bit-comparable with fp32 training.
@@ -74,7 +75,8 @@ MIXED_LOSS_RTOL = 2e-2
 SAVE = {"zero2": ZERO + "2", "fsdp": "parallel.strategy=fsdp"}
 LOAD_TWO = [("fsdp", "zero1_from_fsdp", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp")]
 LOAD_FOUR = [("zero2", "zero1_from_zero2", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp"),
-             ("fsdp", "zero2_from_fsdp", ZERO + "2")]
+             ("fsdp", "zero2_from_fsdp", ZERO + "2"),
+             ("fsdp", "hsdp_from_fsdp", "parallel.strategy=fsdp parallel.dp_replicate=2")]
 
 
 def worker_args(cases: dict, extra: list[str]) -> list[str]:
@@ -222,6 +224,15 @@ def test_memory_follows_formulas(two, four):
     for name, kind in [("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "sharded3"), ("fsdp", "sharded3")]:
         check_memory(load_case(four, name), kind)
         check_memory(load_case(four, f"{name}_odd"), kind, ODD)
+    # HSDP 2 x 2: each rank holds 1/2 of everything (sharded over the 2 ranks of its replica group)
+    hsdp = load_case(four, "hsdp")
+    a, rows = hsdp["num_params"], shard_slack("", 2)[1]
+    for rank, mem in enumerate(hsdp["memory"]):
+        for cat, per_param in (("params", 4), ("grads", 4), ("optimizer", 8)):
+            want, slack = per_param * a / 2, per_param * rows  # dim-0 padding: < 1 row per tensor
+            assert want - slack <= mem[cat] <= want + slack, (
+                f"hsdp rank {rank} {cat}: {mem[cat]} bytes, formula {want:.0f} with a={a}, 2 shards")
+    assert sum(m["optimizer"] for m in hsdp["memory"]) == 2 * 8 * a  # two replicas of the sharded state
     odd = load_case(four, "zero2_odd")["memory"]  # Adam state holds exactly the (clipped) slices
     assert odd[-1]["optimizer"] < odd[0]["optimizer"], "odd sizes should give the last rank a smaller slice"
 
@@ -370,6 +381,10 @@ def test_bad_config_one_line_exit_2(overrides, message, tmp_path, capsys):
      "parallel.static_graph=true cannot be combined with gradient accumulation (2 micro-batches"),
     (["parallel.strategy=zero", "parallel.zero_stage=2", "parallel.tp=2"], 4,
      "parallel.zero_stage=2 shards plain tensors and does not compose with parallel.tp/pp > 1"),
+    (["parallel.strategy=fsdp", "parallel.dp_replicate=3"], 4,
+     "parallel.dp_replicate=3 does not divide the 4 data-parallel ranks"),
+    (["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.tp=2"], 2,
+     "parallel.dp_replicate=2 does not divide the 1 data-parallel ranks"),
 ])
 def test_bad_layout(overrides, world, message):
     """World-size checks run in Layout.of, before any process group, model or strategy exists."""
