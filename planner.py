@@ -77,11 +77,18 @@ class PlannedLayout:
     reshard_after_forward: bool
     stage_blocks: tuple[int, ...]  # transformer blocks per pipeline stage (parallel.layout.Layout)
     stage_placement: tuple[int, ...]  # stage -> pp rank
+    dp_replicate: int = 1  # HSDP (fsdp): replica groups; FSDP2 shards over dp / dp_replicate ranks
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
 
     @property
     def name(self) -> str:
         keep = " no-reshard" if self.strategy == "fsdp" and not self.reshard_after_forward else ""
-        parts = [f"{self.strategy}{keep} dp{self.dp}" if self.dp > 1 else "dp1"]
+        label = "hsdp" if self.dp_replicate > 1 else self.strategy
+        shape = f"{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"{self.dp}"
+        parts = [f"{label}{keep} dp{shape}" if self.dp > 1 else "dp1"]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")
                          + ("+vocab" if self.tp_vocab_parallel else ""))
@@ -470,7 +477,7 @@ def _zero_buckets(tensors: list[ParamSpec], local, cap_bytes: float) -> int:
 def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
                 device_memory: int | None) -> LayoutPlan:
     p = cfg.parallel
-    n, tp = lay.dp, lay.tp
+    n, tp = lay.dp_shard, lay.tp  # the ranks that shard (HSDP: within a replica group)
     am = activation_model(cfg, lay.strategy)
     per_rank_held = _owned_tensors(g, lay)
     fsdp_like = lay.strategy in ("zero-3", "fsdp") and n > 1
@@ -586,25 +593,33 @@ def _collectives(g: GPTConfig, lay: PlannedLayout, held: list[tuple[ParamSpec, b
             out.append(Collective("all-reduce", "dp", "gradients, once per step (no_sync while accumulating)",
                                   k, round(2 * k * ring), "2K(n-1)/n"))
         elif lay.strategy == "zero-1":
-            out.append(Collective("reduce-scatter", "dp", "gradients once per step (theory; today's code "
-                                  "all-reduces: measured 1.5x)", k, round(k * ring), "K(n-1)/n"))
+            out.append(Collective("reduce-scatter", "dp", "gradients, in the last micro-batch's backward",
+                                  k, round(k * ring), "K(n-1)/n"))
             out.append(Collective("all-gather", "dp", "updated parameter slices", k, round(k * ring), "K(n-1)/n"))
         elif lay.strategy == "zero-2":
             out.append(Collective("reduce-scatter", "dp", f"gradients on each of {m} micro-batch(es)",
                                   k * m, round(k * m * ring), "m K(n-1)/n"))
             out.append(Collective("all-gather", "dp", "updated parameter slices", k, round(k * ring), "K(n-1)/n"))
-        else:  # FSDP2 (zero-3, fsdp)
+        else:  # FSDP2 (zero-3, fsdp; HSDP: sharded over dp_shard ranks, replicated over dp_replicate)
+            ns, reps = lay.dp_shard, lay.dp_replicate
+            ring_s = (ns - 1) / ns
             root = sum(numel(local(t)) for t, _ in held if t.where != "block")
             blocks = grad_elems - root
             gathers = 2 if lay.reshard_after_forward else 1
-            ag = (gathers * blocks + root) * gathered_bytes * m
-            upper = " (an upper bound under pp: stages stay gathered between backwards)" if lay.pp > 1 else ""
-            out.append(Collective("all-gather", "dp", f"parameters: blocks {gathers}x (forward"
-                                  f"{' + backward' if gathers == 2 else ''}), root 1x, per micro-batch{upper}",
-                                  ag, round(ag * ring), f"m ({gathers}K_blocks + K_root)(n-1)/n"))
-            rs = grad_elems * reduce_bytes
-            out.append(Collective("reduce-scatter", "dp", "gradients once per step", rs, round(rs * ring),
-                                  "K(n-1)/n"))
+            if ns > 1:
+                ag = (gathers * blocks + root) * gathered_bytes * m
+                upper = " (an upper bound under pp: stages stay gathered between backwards)" if lay.pp > 1 else ""
+                group = "dp_shard" if reps > 1 else "dp"
+                out.append(Collective("all-gather", group, f"parameters: blocks {gathers}x (forward"
+                                      f"{' + backward' if gathers == 2 else ''}), root 1x, per micro-batch{upper}",
+                                      ag, round(ag * ring_s), f"m ({gathers}K_blocks + K_root)(s-1)/s"))
+                rs = grad_elems * reduce_bytes
+                out.append(Collective("reduce-scatter", group, "gradients once per step", rs, round(rs * ring_s),
+                                      "K(s-1)/s"))
+            if reps > 1:  # HSDP: the reduced shards are all-reduced across the replica groups
+                ar = ceil_div(grad_elems, ns) * reduce_bytes
+                out.append(Collective("all-reduce", "dp_replicate", "gradient shards across the replica groups",
+                                      ar, round(2 * ar * (reps - 1) / reps), "2(K/s)(R-1)/R"))
     if tp > 1:
         s, h = g.block_size, g.n_embd
         blocks_here = sum(1 for t, _ in held if t.name.endswith("attn.q_proj.weight"))
@@ -637,24 +652,26 @@ def _layout_config(cfg: Config, strategy: str, tp: int, pp: int) -> Config:
     new = copy.deepcopy(cfg)
     p, d = new.parallel, ParallelConfig()
     keep_gathered = strategy == "fsdp-keep"
-    strategy = "fsdp" if keep_gathered else strategy
+    replicas = int(strategy.split("-")[1]) if strategy.startswith("hsdp-") else 1
+    strategy = "fsdp" if keep_gathered or replicas > 1 else strategy
     name, stage = (strategy.split("-") + ["1"])[:2] if strategy.startswith("zero") else (strategy, "1")
     keep = {"ddp": ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"),
-            "zero": ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"),
-            "fsdp": ("reshard_after_forward", "mixed_precision", "reduce_dtype", "cpu_offload")}
+            "zero": ("bucket_cap_mb",),
+            "fsdp": ("reshard_after_forward", "mixed_precision", "reduce_dtype", "cpu_offload", "dp_replicate")}
     if name != cfg.parallel.strategy:
         for k in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "reshard_after_forward",
-                  "mixed_precision", "reduce_dtype", "cpu_offload"):
+                  "mixed_precision", "reduce_dtype", "cpu_offload", "dp_replicate"):
             if k not in keep.get(name, ()):
                 setattr(p, k, getattr(d, k))
     p.strategy, p.zero_stage = name, int(stage) if name == "zero" else d.zero_stage
     if name == "zero" and p.zero_stage == 3:
-        for k in keep["ddp"]:
-            setattr(p, k, getattr(d, k))
-    if name == "zero" and p.zero_stage == 2:
+        p.bucket_cap_mb = d.bucket_cap_mb
+    if name == "zero":
         p.gradient_as_bucket_view, p.static_graph = d.gradient_as_bucket_view, d.static_graph
     if keep_gathered:
         p.reshard_after_forward = False
+    if name == "fsdp" and strategy != cfg.parallel.strategy or keep_gathered or replicas > 1:
+        p.dp_replicate = replicas
     p.tp, p.pp = tp, pp
     if tp == 1:
         p.tp_vocab_parallel = p.sequence_parallel = False
@@ -684,7 +701,8 @@ def check_layout(cfg: Config, world: int) -> PlannedLayout:
                          p.pp_stages_per_rank if lay.pp > 1 else 1, lay.micro_batch_size, lay.microbatches,
                          p.activation_checkpointing, p.sequence_parallel, p.tp_vocab_parallel,
                          p.reshard_after_forward if label == "fsdp" else label == "zero-3",
-                         tuple(lay.stage_blocks), tuple(lay.stage_placement))
+                         tuple(lay.stage_blocks), tuple(lay.stage_placement),
+                         lay.dp_replicate if label == "fsdp" else 1)
 
 
 def divisors(n: int) -> list[int]:
@@ -710,7 +728,9 @@ def plan(cfg: Config, world: int, device_memory: int | None = None) -> Plan:
     seen: list[PlannedLayout] = [mine] if mine is not None else []
     for tp in divisors(world):
         for pp in divisors(world // tp):
-            for strategy in DP_STRATEGIES:
+            dp = world // (tp * pp)
+            hsdp = [f"hsdp-{r}" for r in divisors(dp) if 1 < r < dp]  # replica groups x shards
+            for strategy in (*DP_STRATEGIES, *hsdp):
                 alt = _layout_config(cfg, strategy, tp, pp)
                 try:
                     lay = check_layout(alt, world)
@@ -731,6 +751,7 @@ def plan(cfg: Config, world: int, device_memory: int | None = None) -> Plan:
 LEGEND = """\
 per rank, the fullest rank (GB = 10^9 bytes); a = parameters held, n = dp ranks, K = bytes of a collective's payload
   params/grads/Adam: fp32 AdamW, ZeRO (Rajbhandari et al. 2020): ddp 4a+4a+8a = 16a | zero-1 4a+4a+8a/n | zero-2 4a+12a/n | zero-3, fsdp 16a/n
+  hsdp RxS (fsdp, parallel.dp_replicate=R): 16a/S per rank; all-gather and reduce-scatter within a group of S, all-reduce of the shards over R
   act: saved for backward x micro-batches in flight (gpipe: M, 1f1b: min(M, p - rank), interleaved/zero-bubble: torch's order);
        per block fp32 16bsh x 4 B + 16bs + 4b(heads)s (Korthikanti et al. 2022's 34sbh + 5as^2b, adapted to SDPA: --explain)
   moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n; zero-3/fsdp all-gather blocks twice

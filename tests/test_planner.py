@@ -122,6 +122,7 @@ FOUR_PROC = {
     "ddp_dp2_pp2": "parallel.strategy=ddp parallel.pp=2",
     "fsdp_dp2_pp2_interleaved": "parallel.strategy=fsdp parallel.pp=2 parallel.pp_schedule=interleaved_1f1b "
                                 "parallel.pp_stages_per_rank=2",
+    "hsdp_2x2": "parallel.strategy=fsdp parallel.dp_replicate=2",  # sharded over 2, replicated twice
 }
 
 
@@ -159,11 +160,15 @@ def test_predictions_match_two_processes(tmp_path):
 
 def test_predictions_match_four_processes(tmp_path):
     check_against_measurement(tmp_path, 4, FOUR_PROC)
+    # HSDP moves fsdp's collectives inside a replica group (2 ranks) plus an all-reduce of the
+    # gradient shards across the 2 groups
+    hsdp = planner.plan_layout(*_args(tmp_path, FOUR_PROC["hsdp_2x2"], world=4), True, None)
+    assert hsdp.name == "hsdp dp2x2" and {c.group for c in hsdp.collectives} == {"dp_shard", "dp_replicate"}
 
 
-def _args(tmp_path, overrides):
+def _args(tmp_path, overrides, world: int = 2):
     cfg = config(tmp_path, *overrides.split())
-    return cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2)
+    return cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, world)
 
 
 def test_interleaved_and_zero_bubble_replay_torchs_order(tmp_path):
