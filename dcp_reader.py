@@ -9,6 +9,8 @@ FileSystemReader that uses it and refuses BYTE_IO reads. Both raise `UnsafeSnaps
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import pathlib
 import pickle
 from dataclasses import is_dataclass
@@ -74,27 +76,49 @@ class _MetadataUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = load_build
 
 
-def read_dcp_metadata(path: Path, files: set[str] | None = None) -> dcp_metadata.Metadata:
-    """DCP's index of `path`, unpickled with only DCP's metadata classes admitted, and checked
-    to describe tensors only (a BYTE_IO entry would be read with torch.load(weights_only=False))
-    stored in the snapshot's own data files (`files`, when given). Raises UnsafeSnapshot."""
+# Indexes already parsed and checked, by (path, inode, size, mtime): a resume reads one snapshot's
+# index four times (validation, the stored-keys check, the load's own check and DCP's reader), and
+# the restricted unpickler is pure Python (slow on the index of a large sharded model). A file
+# changed since (a new inode, size or mtime) is parsed and checked again.
+_PARSED: dict[tuple, dcp_metadata.Metadata] = {}
+_PARSED_MAX = 4
+
+
+def _parse_checked(path: Path) -> dcp_metadata.Metadata:
     try:
+        st = os.stat(path / ".metadata")
+        key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+        if key in _PARSED:
+            return _PARSED[key]
         with open(path / ".metadata", "rb") as f:
             md = _MetadataUnpickler(f).load()
     except UnsafeSnapshot:
         raise
-    except Exception as e:  # truncated or garbage pickle
+    except Exception as e:  # missing, truncated or garbage pickle
         raise UnsafeSnapshot(f"its DCP .metadata does not parse ({type(e).__name__})") from None
     if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict) \
             or not isinstance(md.storage_data, dict):
         raise UnsafeSnapshot("its DCP .metadata is not a DCP Metadata record")
-    for key, entry in md.state_dict_metadata.items():
+    for name, entry in md.state_dict_metadata.items():
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
-            raise UnsafeSnapshot(f"its DCP entry {key!r} is not a tensor ({type(entry).__name__}); "
+            raise UnsafeSnapshot(f"its DCP entry {name!r} is not a tensor ({type(entry).__name__}); "
                                  f"snapshots of this format hold only tensors")
     for index, info in md.storage_data.items():
         if not isinstance(index, dcp_metadata.MetadataIndex) or not isinstance(info, _StorageInfo):
             raise UnsafeSnapshot("its DCP .metadata has a malformed storage index")
+    while len(_PARSED) >= _PARSED_MAX:
+        _PARSED.pop(next(iter(_PARSED)))
+    _PARSED[key] = md
+    return md
+
+
+def read_dcp_metadata(path: Path, files: set[str] | None = None) -> dcp_metadata.Metadata:
+    """DCP's index of `path`, unpickled with only DCP's metadata classes admitted, and checked
+    to describe tensors only (a BYTE_IO entry would be read with torch.load(weights_only=False))
+    stored in the snapshot's own data files (`files`, when given). Raises UnsafeSnapshot. The
+    result is shared by later calls for the same unchanged file: do not modify it."""
+    md = _parse_checked(path)
+    for info in md.storage_data.values():
         if files is not None and info.relative_path not in files:
             raise UnsafeSnapshot(f"its DCP .metadata points at {info.relative_path!r}, not a file "
                                  f"of the snapshot")
@@ -109,10 +133,9 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self) -> dcp_metadata.Metadata:
         md = read_dcp_metadata(Path(self.path))
-        if md.storage_meta is None:
-            md.storage_meta = dcp_metadata.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+        # a copy with this load's id: the parsed index itself is shared (read_dcp_metadata)
+        storage = dataclasses.replace(md.storage_meta or dcp_metadata.StorageMeta(), load_id=self.load_id)
+        return dataclasses.replace(md, storage_meta=storage)
 
     def read_data(self, plan, planner):
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):

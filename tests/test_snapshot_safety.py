@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 import warnings
@@ -204,3 +205,21 @@ def test_metadata_reader_refuses_what_dcp_never_writes(trained, tmp_path):
         with pytest.raises(UnsafeSnapshot):
             read_dcp_metadata(folder)
     assert not hasattr(Metadata, "pwned")
+
+
+def test_a_resume_parses_the_dcp_index_once_and_again_after_a_change(run, monkeypatch):
+    """The restricted unpickler is pure Python: a resume parses the snapshot's index once, not at
+    each of its four reads (validation, stored keys, the load's check, DCP's reader); an index
+    changed on disk is parsed again."""
+    import dcp_reader
+    parses = []
+    real_load = dcp_reader._MetadataUnpickler.load
+    monkeypatch.setattr(dcp_reader._MetadataUnpickler, "load", lambda self: parses.append(1) or real_load(self))
+    assert train(run, "trainer.max_steps=7") == 0  # resumes step 6, trains and saves step 7
+    assert len(parses) == 1, f"{len(parses)} parses of one snapshot's index in one resume"
+    index = snap(run, 7) / ".metadata"
+    md = dcp_reader.read_dcp_metadata(snap(run, 7))
+    parsed = len(parses)
+    assert dcp_reader.read_dcp_metadata(snap(run, 7)) is md and len(parses) == parsed
+    os.utime(index, ns=(index.stat().st_atime_ns, index.stat().st_mtime_ns + 1))
+    assert dcp_reader.read_dcp_metadata(snap(run, 7)) is not md and len(parses) == parsed + 1
