@@ -1,6 +1,11 @@
 """Shared by the tests: the corpus location, the tiny test config, launching torchrun, and
 running K training steps of one configuration (in this process or under torchrun).
 
+The device of the whole suite is one switch, the environment variable MINGPT_TEST_DEVICE: `cpu`
+(the default, what CI runs: gloo between ranks) or `cuda` (the same tests on GPUs, NCCL between
+ranks, one GPU per rank). tests/conftest.py refuses a cuda session on a machine with fewer than
+SUITE_GPUS GPUs, and `torchrun()` refuses a launch with more ranks than GPUs.
+
 Multi-process launches take a machine-wide file lock, so two of them never share the 2 cores
 (pytest-xdist workers or several checkouts included), and always run with a short process-group
 timeout and a wall-clock timeout so a dead peer fails the test instead of hanging it.
@@ -14,11 +19,48 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 CORPUS = SHARED / "data" / "tinyshakespeare.txt"
 TIKTOKEN_DIR = SHARED / "data" / "tiktoken"
 LOCK = Path(os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock"))
+
+DEVICE_ENV = "MINGPT_TEST_DEVICE"
+TEST_DEVICE = os.environ.get(DEVICE_ENV, "cpu")
+# The widest launches of the suite have 8 ranks (test_default_config, the 2x2x2 mesh of
+# test_mesh_2x2x2); NCCL refuses two ranks on one GPU, so a cuda session needs 8 GPUs.
+SUITE_GPUS = 8
+
+
+def device_problem(device: str = TEST_DEVICE) -> str | None:
+    """Why the suite cannot run on `device` (MINGPT_TEST_DEVICE) here; None when it can."""
+    if device not in ("cpu", "cuda"):
+        return f"{DEVICE_ENV}={device} is not one of cpu, cuda"
+    gpus = torch.cuda.device_count() if device == "cuda" and torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < SUITE_GPUS:
+        return (f"{DEVICE_ENV}=cuda runs the suite on {SUITE_GPUS} GPUs (one per rank of its 8-rank launches, "
+                f"NCCL) but torch {torch.__version__} sees {gpus}: run it on a machine with {SUITE_GPUS} GPUs, "
+                f"or unset {DEVICE_ENV} to run it on the CPU")
+    return None
+
+
+def device_overrides(device: str = TEST_DEVICE) -> list[str]:
+    """Config overrides of every test run on `device`: pinned, so that `auto` never decides."""
+    return [f"trainer.device={device}"]
+
+
+def device_env(device: str = TEST_DEVICE) -> dict[str, str]:
+    """Environment of every process of the suite on `device`.
+
+    cuda: NVIDIA_TF32_OVERRIDE=0, NVIDIA's switch that keeps cuBLAS and cuDNN from running fp32
+    matmuls as TF32, which the app honours too (perf.set_fp32_matmul_mode then leaves torch's TF32
+    flags off): the parity tests compare fp32 runs to 1e-5 and TF32's 10-bit mantissa is ~1e-3.
+    cpu: no visible GPU, so that the tests that leave trainer.device at `auto` (the default
+    config's) run on the CPU on a GPU machine too."""
+    return {"NVIDIA_TF32_OVERRIDE": "0"} if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
+
 
 # A model small enough that a step takes milliseconds, big enough to have every kind of layer:
 # 4 blocks (pp=2 x 2 stages per rank), 4 heads (tp=2 or 4), micro-batches (accumulation 2 at dp=2).
@@ -27,7 +69,10 @@ TINY = [
     "model.n_embd=32", "model.block_size=16", "trainer.batch_size=8", "trainer.micro_batch_size=2",
     "trainer.eval_every=5", "trainer.eval_batches=2", "trainer.log_every=5", "trainer.save_every=0",
     "trainer.sample_tokens=20", "optimizer.warmup_steps=2", "wandb.enabled=false",
+    *device_overrides(),
 ]
+# How main.py's start-up line names global rank 0's device ("| device cpu").
+SHOWN_DEVICE = "cuda:0" if TEST_DEVICE == "cuda" else "cpu"
 
 
 def child_env(**extra) -> dict:
@@ -36,6 +81,7 @@ def child_env(**extra) -> dict:
                TIKTOKEN_CACHE_DIR=str(TIKTOKEN_DIR), WANDB_MODE="offline", WANDB_SILENT="true",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     env.pop("WANDB_API_KEY", None)
+    env.update(device_env())
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -53,6 +99,10 @@ def multiprocess_lock():
 
 def torchrun(nproc: int, script_and_args: list[str], timeout: float = 300, cwd: Path = REPO,
              extra_torchrun: list[str] = (), **env) -> subprocess.CompletedProcess:
+    if TEST_DEVICE == "cuda" and nproc > torch.cuda.device_count():
+        raise RuntimeError(f"this launch has {nproc} ranks and NCCL needs one GPU per rank, but torch sees "
+                           f"{torch.cuda.device_count()} GPUs: run it on a machine with {nproc} or more "
+                           f"(the whole suite: {SUITE_GPUS})")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *extra_torchrun, *script_and_args]
     with multiprocess_lock():
@@ -114,7 +164,6 @@ def _floats(state: dict | None) -> dict | None:
 def save_cases(cases: list[tuple[str, str]], steps: int, out: Path, **run_kwargs) -> None:
     """For a torchrun worker: run each (name, "overrides") case with run_steps in this launch's
     process group and save rank 0's result to OUT/NAME.pt."""
-    import torch
     import torch.distributed as dist
 
     for name, overrides in cases:

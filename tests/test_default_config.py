@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from harness import CORPUS, torchrun
+from harness import CORPUS, SHOWN_DEVICE, torchrun
 
 STEPS = 3
 
@@ -19,7 +19,7 @@ def test_default_config_trains_on_eight_processes(tmp_path):
                      f"trainer.max_steps={STEPS}", "trainer.eval_batches=2"], timeout=300)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 0, "\n".join(errors) + r.stdout[-2000:] + r.stderr[-3000:]
-    assert "world 8 = pp 1 x dp 8 (ddp (bucket " in r.stdout and ") x tp 1 | device cpu" in r.stdout, r.stdout[-2000:]
+    assert "world 8 = pp 1 x dp 8 (ddp (bucket " in r.stdout and f") x tp 1 | device {SHOWN_DEVICE}" in r.stdout, r.stdout[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [STEPS]  # the last step logs and evaluates
     assert all(torch.isfinite(torch.tensor([rows[0]["loss"], rows[0]["val_loss"], rows[0]["grad_norm"]])))

@@ -7,7 +7,7 @@ import re
 
 import main as app
 from config import dump_yaml, load_config
-from harness import TINY, torchrun
+from harness import SHOWN_DEVICE, TINY, torchrun
 from parallel import build_strategy
 from parallel.env import DistEnv
 
@@ -46,7 +46,7 @@ def test_startup_view_is_short_and_the_whole_config_is_on_request(tmp_path, caps
     head = out[:out.index("\nrun: ")]
     view = out[:out.index("\n", len(head) + 1)].splitlines()
     assert len(view) == 4 and view[0].startswith("config: ") and "trainer.max_steps=1" in view[0], view
-    assert view[1] == "layout: world 1 = none (one process, no parallelism) | device cpu", view
+    assert view[1] == f"layout: world 1 = none (one process, no parallelism) | device {SHOWN_DEVICE}", view
     assert "data: " in view[2] and view[3].startswith("run: 1 steps of 8 x 16 = 128 tokens | from step 0 |"), view
     assert "optimizer:" not in out  # no YAML dump
     # --print-config: the YAML that config.yaml holds, then the same view (here: a resume)

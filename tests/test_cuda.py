@@ -1,0 +1,117 @@
+"""Ready for the first GPU, checked on this CPU machine: the suite's device switch
+(MINGPT_TEST_DEVICE, tests/harness.py) and the CUDA-only branches that can be exercised without a
+GPU (nn.DataParallel's replica threads, the GPU peak table, the TF32 switch)."""
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+import harness
+import perf
+from config import load_config
+from harness import REPO, TINY, child_env
+from model import GPT, GPTConfig
+from parallel.dp import DataParallelStrategy
+from parallel.env import DistEnv
+from parallel.step import autocast
+
+
+def test_cuda_switch_fails_the_session_with_one_line_on_a_machine_without_gpus():
+    """The real suite's collection, asked to run on CUDA here: it must fail before any test runs,
+    with one line naming the fix; never run on CPU instead, never skip."""
+    env = child_env(MINGPT_TEST_DEVICE="cuda")
+    r = harness.subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                "tests/test_config.py", "tests/test_cuda.py"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4, (r.returncode, r.stdout, r.stderr)  # pytest's usage error
+    assert r.stderr.strip().splitlines() == [
+        f"ERROR: MINGPT_TEST_DEVICE=cuda runs the suite on 8 GPUs (one per rank of its 8-rank launches, NCCL) "
+        f"but torch {torch.__version__} sees 0: run it on a machine with 8 GPUs, or unset MINGPT_TEST_DEVICE "
+        f"to run it on the CPU"], r.stderr
+    assert "passed" not in r.stdout and "skipped" not in r.stdout + r.stderr, r.stdout
+
+
+def test_the_switch_puts_every_run_and_process_on_the_device(monkeypatch):
+    assert harness.device_problem("cpu") is None
+    assert "MINGPT_TEST_DEVICE=gpu is not one of cpu, cuda" == harness.device_problem("gpu")
+    assert harness.device_overrides("cuda") == ["trainer.device=cuda"]
+    assert harness.device_env("cuda") == {"NVIDIA_TF32_OVERRIDE": "0"}  # exact fp32 parity
+    assert harness.device_env("cpu") == {"CUDA_VISIBLE_DEVICES": ""}  # `auto` tests stay on the CPU
+    # this (CPU) session: TINY and every child pinned to the CPU
+    assert TINY[-1] == "trainer.device=cpu" and child_env()["CUDA_VISIBLE_DEVICES"] == ""
+    # a cuda session on 4 GPUs: an 8-rank launch is refused before anything starts
+    monkeypatch.setattr(harness, "TEST_DEVICE", "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(RuntimeError, match="8 ranks and NCCL needs one GPU per rank, but torch sees 4 GPUs"):
+        harness.torchrun(8, ["main.py"])
+
+
+def test_dataparallel_replicas_compute_in_the_runs_autocast_dtype(monkeypatch):
+    """nn.DataParallel runs each replica's forward in a thread of its own, inside
+    `torch.amp.autocast(device_type, enabled=...)` without a dtype (torch/nn/parallel/parallel_apply.py),
+    and autocast's dtype is thread-local: the thread gets the device's default dtype (fp16 on CUDA),
+    not the run's. Reproduced here with the CPU's autocast (default bf16) and an fp16 run: the
+    module that nn.DataParallel replicates must compute in fp16 in such a thread."""
+    cfg = load_config(None, ["trainer.precision=fp16", "parallel.strategy=dp"])
+    strategy = DataParallelStrategy(cfg, DistEnv())  # on the CPU: device cpu, the autocast we can run
+    monkeypatch.setattr(DataParallelStrategy, "gpu_ids", property(lambda self: [0, 1]))
+    gpt = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    # With no GPU, nn.DataParallel keeps the module it was given as .module, and runs it as is.
+    replica = strategy.wrap_data_parallel(gpt).module
+    x, dtypes = torch.randint(0, 65, (2, 8)), {}
+
+    def replica_thread():  # what parallel_apply's worker does
+        with torch.amp.autocast("cpu", enabled=torch.is_autocast_enabled("cpu")):
+            dtypes["logits"] = replica(x).dtype
+
+    with autocast(cfg, torch.device("cpu")):
+        t = threading.Thread(target=replica_thread)
+        t.start()
+        t.join()
+    assert dtypes["logits"] == torch.float16
+
+
+@pytest.mark.parametrize("name, capability, precision, peak", [
+    ("NVIDIA H100 PCIe", (9, 0), "bf16", 756e12),
+    ("NVIDIA H100 PCIe", (9, 0), "fp32", 378e12),
+    ("NVIDIA H100 NVL", (9, 0), "bf16", 835e12),
+    ("NVIDIA H200", (9, 0), "bf16", 989e12),
+    ("NVIDIA H200 NVL", (9, 0), "fp32", 418e12),
+    ("NVIDIA GH200 480GB", (9, 0), "bf16", 989e12),
+    ("NVIDIA A100 80GB PCIe", (8, 0), "bf16", 312e12),
+    ("NVIDIA L4", (8, 9), "bf16", 121e12),
+    ("NVIDIA L40S", (8, 9), "bf16", 362e12),  # "L4" is in its name: not an L4
+    ("NVIDIA L40", (8, 9), "fp32", 90.5e12),
+    ("Tesla V100-PCIE-16GB", (7, 0), "fp16", 112e12),
+    ("Tesla V100-SXM2-16GB", (7, 0), "bf16", 0.0),  # no bf16 tensor cores before Ampere
+    ("NVIDIA B200", (10, 0), "bf16", 0.0),  # not in the table: unknown, MFU not reported
+])
+def test_gpu_peak_table_tells_variants_apart(monkeypatch, name, capability, precision, peak):
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    got, label = perf.device_peak(torch.device("cuda", 0), precision)
+    assert got == peak and name in label, label
+    if not peak:
+        assert "MFU not reported" in label, label
+
+
+def test_tf32_override_keeps_fp32_matmuls_in_full_precision(monkeypatch):
+    """NVIDIA_TF32_OVERRIDE=0 (what the suite sets on CUDA): the app leaves torch's TF32 flags off,
+    and the peak no longer claims TF32."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+        perf.set_fp32_matmul_mode(torch.device("cuda", 0))
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        peak, label = perf.device_peak(torch.device("cuda", 0), "fp32")
+        assert peak == 0.0 and "NVIDIA_TF32_OVERRIDE=0" in label, label
+        assert perf.device_peak(torch.device("cuda", 0), "bf16")[0] == 989e12  # 16-bit: unaffected
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
