@@ -19,7 +19,26 @@ import warnings
 import torch
 import torch.nn as nn
 
+from config import Config
+from parallel.step import autocast
 from parallel.strategy import Strategy
+
+
+class AutocastForward(nn.Module):
+    """`module` whose forward enters the run's autocast itself. nn.DataParallel runs every replica
+    in a thread of its own and re-enters autocast there with `enabled` only
+    (torch/nn/parallel/parallel_apply.py); autocast's dtype is thread-local, so the replicas would
+    compute in the device's default dtype (fp16 on CUDA) in a bf16 run. torch's AMP notes
+    prescribe this for DataParallel: autocast inside the model's forward
+    (https://pytorch.org/docs/stable/notes/amp_examples.html#dataparallel-in-a-single-process)."""
+
+    def __init__(self, module: nn.Module, cfg: Config, device: torch.device):
+        super().__init__()
+        self.module, self.cfg, self.device = module, cfg, device
+
+    def forward(self, *args, **kwargs):
+        with autocast(self.cfg, self.device):
+            return self.module(*args, **kwargs)
 
 
 class DataParallelStrategy(Strategy):
@@ -48,4 +67,4 @@ class DataParallelStrategy(Strategy):
                           f"{self.device} (nn.DataParallel needs 2+ GPUs to split the batch)", stacklevel=2)
             return model
         # The parameters must live on device_ids[0] = the current device (pick_device set it).
-        return nn.DataParallel(model, device_ids=ids, output_device=ids[0])
+        return nn.DataParallel(AutocastForward(model, self.cfg, self.device), device_ids=ids, output_device=ids[0])

@@ -63,12 +63,12 @@ def test_dataparallel_replicas_compute_in_the_runs_autocast_dtype(monkeypatch):
     replica = strategy.wrap_data_parallel(gpt).module
     x, dtypes = torch.randint(0, 65, (2, 8)), {}
 
-    def replica_thread():  # what parallel_apply's worker does
-        with torch.amp.autocast("cpu", enabled=torch.is_autocast_enabled("cpu")):
+    def replica_thread(enabled: bool):  # what parallel_apply's worker does
+        with torch.amp.autocast("cpu", enabled=enabled):
             dtypes["logits"] = replica(x).dtype
 
     with autocast(cfg, torch.device("cpu")):
-        t = threading.Thread(target=replica_thread)
+        t = threading.Thread(target=replica_thread, args=(torch.is_autocast_enabled("cpu"),))
         t.start()
         t.join()
     assert dtypes["logits"] == torch.float16
