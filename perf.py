@@ -21,23 +21,32 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-# Dense (no sparsity) peak FLOP/s per GPU, by name fragment: (bf16/fp16 tensor cores, fp32
-# matmuls as run here: TF32 tensor cores where the GPU has them, else plain fp32).
-_GPU_PEAKS = {
-    "H200": (989e12, 494e12),
-    "H100": (989e12, 494e12),
-    "A100": (312e12, 156e12),
-    "A10G": (125e12, 62.5e12),  # the A10 datasheet's dense figures (no separate A10G datasheet)
-    "L4": (121e12, 60e12),
-    "V100": (125e12, 15.7e12),  # no TF32 (compute capability 7.0): plain fp32
-    "4090": (165e12, 82e12),
-}
+# Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets: (bf16/fp16 tensor cores, fp32
+# matmuls as run here: TF32 tensor cores where the GPU has them, else plain fp32). Matched against
+# torch.cuda.get_device_name in this order, first match wins: a variant before its family ("H100
+# PCIe" before "H100"), and whole words, so that "L4" is not "L40S".
+_GPU_PEAKS: list[tuple[str, float, float]] = [
+    (r"\bH100 PCIe\b", 756e12, 378e12),
+    (r"\bH[12]00 NVL\b", 835e12, 418e12),
+    (r"\bG?H[12]00\b", 989e12, 494e12),  # SXM (and GH200's Hopper GPU)
+    (r"\bA100\b", 312e12, 156e12),  # SXM and PCIe alike
+    (r"\bA10G\b", 125e12, 62.5e12),  # the A10 datasheet's dense figures (no separate A10G datasheet)
+    (r"\bL40S\b", 362e12, 183e12),
+    (r"\bL40\b", 181e12, 90.5e12),
+    (r"\bL4\b", 121e12, 60e12),
+    (r"\bV100-PCIE\b", 112e12, 14e12),  # no TF32 (compute capability 7.0): plain fp32
+    (r"\bV100", 125e12, 15.7e12),  # SXM2
+    (r"\b4090\b", 165e12, 82e12),
+]
+# NVIDIA's switch that keeps cuBLAS and cuDNN from using TF32 (set_fp32_matmul_mode honours it too).
+TF32_OVERRIDE_ENV = "NVIDIA_TF32_OVERRIDE"
 _MATMUL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _cpu_peak_cache: dict[tuple[int, torch.dtype], float] = {}
@@ -55,10 +64,17 @@ def set_fp32_matmul_mode(device: torch.device) -> None:
     """fp32 matmuls and convolutions on CUDA run on TF32 tensor cores (10-bit mantissa inputs,
     fp32 accumulation): what users expect of a GPU training script, and what the peak table
     assumes. CPU numerics are left alone. (The legacy allow_tf32 switches: mixing them with the
-    newer fp32_precision API makes torch.get_float32_matmul_precision raise, which inductor calls.)"""
-    if device.type == "cuda":
+    newer fp32_precision API makes torch.get_float32_matmul_precision raise, which inductor calls.)
+    NVIDIA_TF32_OVERRIDE=0 in the environment (the test suite sets it for exact fp32 parity) leaves
+    them off: that switch reaches only cuBLAS and cuDNN, and torch's flags also steer other kernels
+    (inductor's generated matmuls)."""
+    if device.type == "cuda" and not _tf32_disabled():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+def _tf32_disabled() -> bool:
+    return os.environ.get(TF32_OVERRIDE_ENV) == "0"
 
 
 def measure_cpu_matmul_peak(n: int = 1024, repeats: int = 5, min_seconds: float = 0.0,
@@ -165,14 +181,21 @@ def device_peak(device: torch.device, precision: str, override: float = 0.0) -> 
         return override, f"{override / 1e12:.3g} TFLOP/s (trainer.peak_flops)"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, (half, single) in _GPU_PEAKS.items():
-            if key in name:
-                if precision in ("bf16", "fp16"):
-                    return half, f"{name} dense {precision} {half / 1e12:.3g} TFLOP/s"
-                tf32 = torch.cuda.get_device_capability(device)[0] >= 8
-                kind = "TF32 (fp32 matmuls run as TF32)" if tf32 else "fp32"
-                return single, f"{name} dense {kind} {single / 1e12:.3g} TFLOP/s"
-        return 0.0, f"{name}: unknown peak, MFU not reported (set trainer.peak_flops)"
+        unknown = "peak not in the table, MFU not reported (set trainer.peak_flops)"
+        ampere = torch.cuda.get_device_capability(device)[0] >= 8  # bf16 and TF32 tensor cores
+        for pattern, half, single in _GPU_PEAKS:
+            if re.search(pattern, name):
+                break
+        else:
+            return 0.0, f"{name}: {unknown}"
+        if precision == "bf16" and not ampere:
+            return 0.0, f"{name} has no bf16 tensor cores (before compute capability 8.0): {unknown}"
+        if precision in ("bf16", "fp16"):
+            return half, f"{name} dense {precision} {half / 1e12:.3g} TFLOP/s"
+        if ampere and _tf32_disabled():
+            return 0.0, f"{name} with {TF32_OVERRIDE_ENV}=0 runs fp32 matmuls without TF32: {unknown}"
+        kind = "TF32 (fp32 matmuls run as TF32)" if ampere else "fp32"
+        return single, f"{name} dense {kind} {single / 1e12:.3g} TFLOP/s"
     peak, cached = cpu_peak(precision)
     how = f"cached in {peak_cache_path()}" if cached else f"measured, cached in {peak_cache_path()}"
     return peak, f"CPU {precision} matmul {peak / 1e9:.3g} GFLOP/s ({how})"

@@ -166,6 +166,7 @@ def test_mfu_counts_every_device_the_layout_uses(monkeypatch):
 ])
 def test_gpu_peak_and_label_agree_with_the_fp32_matmul_mode(monkeypatch, name, capability, precision,
                                                             peak, label):
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)  # a cuda session of the suite sets it
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     cuda = torch.device("cuda", 0)
@@ -173,7 +174,8 @@ def test_gpu_peak_and_label_agree_with_the_fp32_matmul_mode(monkeypatch, name, c
     assert got == peak and label in text and name in text, text
 
 
-def test_fp32_matmuls_run_as_tf32_on_cuda_only():
+def test_fp32_matmuls_run_as_tf32_on_cuda_only(monkeypatch):
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)  # a cuda session of the suite sets it
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
