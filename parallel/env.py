@@ -51,7 +51,8 @@ def pick_device(cfg: Config, local_rank: int, config_file: str | None = None) ->
 
 
 def init_distributed(cfg: Config, timeout_s: float | None = None, config_file: str | None = None) -> DistEnv:
-    """Start the process group when launched by torchrun (gloo on CPU, nccl on CUDA)."""
+    """Start the process group when launched by torchrun (gloo on CPU; on CUDA nccl, plus gloo
+    for CPU tensors)."""
     if not launched_by_torchrun():
         return DistEnv(device=pick_device(cfg, 0, config_file))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -59,8 +60,11 @@ def init_distributed(cfg: Config, timeout_s: float | None = None, config_file: s
     device = pick_device(cfg, local_rank, config_file)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MINGPT_PG_TIMEOUT", 600)))
+    # On CUDA, CPU tensors get gloo in the same group: FSDP2's CPU offload keeps the sharded gradients
+    # on the CPU and the gradient norm all-reduces them; NCCL alone refuses CPU tensors (pytorch#148532).
+    group_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout, store=_rendezvous_store(rank, world, timeout),
+        dist.init_process_group(backend=group_backend, timeout=timeout, store=_rendezvous_store(rank, world, timeout),
                                 rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)

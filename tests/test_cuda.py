@@ -8,14 +8,16 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import harness
+import parallel.env
 import perf
 from config import load_config
 from harness import REPO, TINY, child_env
 from model import GPT, GPTConfig
 from parallel.dp import DataParallelStrategy
-from parallel.env import DistEnv
+from parallel.env import DistEnv, init_distributed
 from parallel.step import autocast
 
 
@@ -47,6 +49,28 @@ def test_the_switch_puts_every_run_and_process_on_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(RuntimeError, match="8 ranks and NCCL needs one GPU per rank, but torch sees 4 GPUs"):
         harness.torchrun(8, ["main.py"])
+
+
+def test_a_rank_binds_the_gpu_of_its_local_rank_and_serves_cpu_tensors_with_gloo(monkeypatch):
+    """What init_distributed asks of torch on a GPU node (torch's calls recorded, nothing started):
+    local rank 5 of a 4-GPU node drives GPU 1 (LOCAL_RANK % device_count), NCCL is bound to it
+    (device_id), and CPU tensors get a gloo backend in the same process group: FSDP2's CPU offload
+    keeps sharded gradients on the CPU, and the gradient norm all-reduces them (pytorch#148532: a
+    NCCL-only group fails with "No backend type associated with device type cpu")."""
+    asked = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: asked.update(set_device=i))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked["set_device"])
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: asked.update(kw))
+    monkeypatch.setattr(parallel.env, "_rendezvous_store", lambda rank, world, timeout: None)
+    for k, v in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5"}.items():
+        monkeypatch.setenv(k, v)
+    env = init_distributed(load_config(None, ["trainer.device=cuda"]))
+    assert env.device == torch.device("cuda", 1) and asked["set_device"] == 1
+    assert asked["device_id"] == torch.device("cuda", 1) and (asked["rank"], asked["world_size"]) == (5, 8)
+    assert asked["backend"] == "cpu:gloo,cuda:nccl" and env.backend == "nccl"
 
 
 def test_dataparallel_replicas_compute_in_the_runs_autocast_dtype(monkeypatch):
