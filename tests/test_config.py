@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import main as app
@@ -181,13 +182,17 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_line_exit_2_and_touches_no_snapshot(case, existing_run, capsys):
+def test_bad_input_is_one_line_exit_2_and_touches_no_snapshot(case, existing_run, capsys, monkeypatch):
     root, run, before = existing_run
     overrides, words = BAD_INPUTS[case]
     args = [a.format(root=root) for a in overrides]
     capsys.readouterr()
+    # Bad input is the device's business only in the "without a GPU" cases: on a GPU machine (a
+    # MINGPT_TEST_DEVICE=cuda session) this process sees none too, and trainer.device is left to them.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    any_device = [a for a in TINY if not a.startswith("trainer.device=")]
     # max_steps=1: a case that wrongly passed validation would resume at step 2 and train nothing
-    rc = app.main(TINY + ["trainer.max_steps=1", "trainer.sample_tokens=0", f"trainer.run_dir={run}"]
+    rc = app.main(any_device + ["trainer.max_steps=1", "trainer.sample_tokens=0", f"trainer.run_dir={run}"]
                   + args)  # the case's own overrides come last and win; argparse takes --config anywhere
     err = capsys.readouterr().err
     lines = [l for l in err.splitlines() if l.strip()]

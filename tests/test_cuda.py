@@ -3,6 +3,7 @@
 GPU (nn.DataParallel's replica threads, the GPU peak table, the TF32 switch)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -39,11 +40,12 @@ def test_cuda_switch_fails_the_session_with_one_line_on_a_machine_without_gpus()
 def test_the_switch_puts_every_run_and_process_on_the_device(monkeypatch):
     assert harness.device_problem("cpu") is None
     assert "MINGPT_TEST_DEVICE=gpu is not one of cpu, cuda" == harness.device_problem("gpu")
-    assert harness.device_overrides("cuda") == ["trainer.device=cuda"]
+    assert harness.device_overrides("cuda") == ["trainer.device=cuda"] and harness.device_overrides("cpu") == []
     assert harness.device_env("cuda") == {"NVIDIA_TF32_OVERRIDE": "0"}  # exact fp32 parity
     assert harness.device_env("cpu") == {"CUDA_VISIBLE_DEVICES": ""}  # `auto` tests stay on the CPU
-    # this (CPU) session: TINY and every child pinned to the CPU
-    assert TINY[-1] == "trainer.device=cpu" and child_env()["CUDA_VISIBLE_DEVICES"] == ""
+    # this (CPU) session: no GPU visible to this process or any child, trainer.device left `auto`
+    assert child_env()["CUDA_VISIBLE_DEVICES"] == "" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert not any(a.startswith("trainer.device=") for a in TINY)
     # a cuda session on 4 GPUs: an 8-rank launch is refused before anything starts
     monkeypatch.setattr(harness, "TEST_DEVICE", "cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
