@@ -57,9 +57,9 @@ def device_env(device: str = TEST_DEVICE) -> dict[str, str]:
 
     cuda: NVIDIA_TF32_OVERRIDE=0, NVIDIA's switch that keeps cuBLAS and cuDNN from running fp32
     matmuls as TF32, which the app honours too (perf.set_fp32_matmul_mode then leaves torch's TF32
-    flags off): the parity tests compare fp32 runs to 1e-5 and TF32's 10-bit mantissa is ~1e-3.
-    cpu: no visible GPU, so that the tests that leave trainer.device at `auto` (the default
-    config's) run on the CPU on a GPU machine too."""
+    flags off): the parity tests compare fp32 runs to 1e-5, and TF32 rounds matmul inputs to ~5e-4.
+    cpu: no visible GPU, so that trainer.device `auto` (every test's on cpu) picks the CPU on a
+    GPU machine too."""
     return {"NVIDIA_TF32_OVERRIDE": "0"} if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
 
 

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import harness
 import parallel.env
@@ -25,7 +26,7 @@ from parallel.step import autocast
 def test_cuda_switch_fails_the_session_with_one_line_on_a_machine_without_gpus():
     """The real suite's collection, asked to run on CUDA here: it must fail before any test runs,
     with one line naming the fix; never run on CPU instead, never skip."""
-    env = child_env(MINGPT_TEST_DEVICE="cuda")
+    env = child_env(MINGPT_TEST_DEVICE="cuda", CUDA_VISIBLE_DEVICES="")  # no GPU, in a cuda session too
     r = harness.subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                 "tests/test_config.py", "tests/test_cuda.py"],
                                cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -43,9 +44,9 @@ def test_the_switch_puts_every_run_and_process_on_the_device(monkeypatch):
     assert harness.device_overrides("cuda") == ["trainer.device=cuda"] and harness.device_overrides("cpu") == []
     assert harness.device_env("cuda") == {"NVIDIA_TF32_OVERRIDE": "0"}  # exact fp32 parity
     assert harness.device_env("cpu") == {"CUDA_VISIBLE_DEVICES": ""}  # `auto` tests stay on the CPU
-    # this (CPU) session: no GPU visible to this process or any child, trainer.device left `auto`
-    assert child_env()["CUDA_VISIBLE_DEVICES"] == "" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
-    assert not any(a.startswith("trainer.device=") for a in TINY)
+    # this session: TINY, this process and every child follow its switch
+    assert all(child_env()[k] == v and os.environ[k] == v for k, v in harness.device_env().items())
+    assert [a for a in TINY if a.startswith("trainer.device=")] == harness.device_overrides()
     # a cuda session on 4 GPUs: an 8-rank launch is refused before anything starts
     monkeypatch.setattr(harness, "TEST_DEVICE", "cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -84,9 +85,9 @@ def test_dataparallel_replicas_compute_in_the_runs_autocast_dtype(monkeypatch):
     cfg = load_config(None, ["trainer.precision=fp16", "parallel.strategy=dp"])
     strategy = DataParallelStrategy(cfg, DistEnv())  # on the CPU: device cpu, the autocast we can run
     monkeypatch.setattr(DataParallelStrategy, "gpu_ids", property(lambda self: [0, 1]))
+    monkeypatch.setattr(nn, "DataParallel", lambda module, device_ids, output_device: module)
     gpt = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=2, n_embd=16))
-    # With no GPU, nn.DataParallel keeps the module it was given as .module, and runs it as is.
-    replica = strategy.wrap_data_parallel(gpt).module
+    replica = strategy.wrap_data_parallel(gpt)  # what nn.DataParallel would replicate
     x, dtypes = torch.randint(0, 65, (2, 8)), {}
 
     def replica_thread(enabled: bool):  # what parallel_apply's worker does
