@@ -68,18 +68,24 @@ class Node:
 
 @contextmanager
 def two_nodes(logs: Path, args: list[str], nnodes: str = "2", max_restarts: int = 0):
-    """Start two agents of one job running `main.py *args` (node A hosts the rendezvous store);
-    yield (A, B); SIGKILL whatever is left of both in the end. Holds the machine-wide lock
-    throughout: the two agents together are one multi-process job."""
+    """Start two agents of one job running `main.py *args`; yield (A, B); SIGKILL whatever is left
+    of both in the end. Holds the machine-wide lock throughout: the two agents together are one
+    multi-process job.
+
+    Node A hosts the rendezvous store, so it is the node that must survive. Each node has its own
+    loopback address (--local-addr), and the rendezvous orders nodes by address: B gets global
+    rank 0 (the rank that holds the run folder's lock and writes metrics and outputs), so losing
+    B also moves rank 0 and the lock to the other node. (Ordered by the agents' pids otherwise,
+    which wrap around.)"""
     port, job = free_port(), f"job{os.getpid()}-{time.monotonic_ns()}"
     env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # the README's multi-node setting
     nodes = []
     with multiprocess_lock():
         try:
-            for name, host in (("A", "true"), ("B", "false")):
+            for name, host, addr in (("A", "true", "127.0.0.2"), ("B", "false", "127.0.0.1")):
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                        "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                       f"--rdzv-id={job}", f"--rdzv-conf=is_host={host},{RDZV_CONF}",
+                       f"--rdzv-id={job}", f"--rdzv-conf=is_host={host},{RDZV_CONF}", f"--local-addr={addr}",
                        f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "main.py", *args]
                 nodes.append(Node(name, logs / f"node{name}.log", cmd, env))
             yield nodes

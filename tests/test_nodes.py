@@ -7,7 +7,8 @@
   job ends bit-identical to the uninterrupted one;
 - elastic membership (--nnodes=1:2): one whole node is SIGKILLed after a snapshot; the other
   re-forms the group alone, resumes from the newest snapshot at world size 1 with the same global
-  batch and data order, and its losses continue those of one process;
+  batch and data order, and its losses continue those of one process.
+The killed worker and the lost node run global rank 0, the holder of the run folder's lock.
 - the SLURM script trains on two "nodes", and at SLURM's time-limit warning stops at a snapshot
   and requeues the job, which resumes there and ends bit-identical.
 
@@ -67,7 +68,7 @@ def two_node_run(tmp_path_factory):
         codes = wait_all(nodes)
         outs = [n.output() for n in nodes]
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
-    assert "layout: world 2 = pp 1 x dp 2 (fsdp" in outs[0] + outs[1], outs
+    assert "layout: world 2 = pp 1 x dp 2 (fsdp" in outs[1], outs  # rank 0 runs on node B
     return run
 
 
@@ -91,7 +92,7 @@ def test_worker_killed_on_one_node_restarts_both_and_ends_bit_identical(two_node
     run = tmp_path / "run"
     with two_nodes(tmp_path, NODES + [f"trainer.run_dir={run}"], max_restarts=3) as (a, b):
         wait_for(lambda: (run / "snapshots" / "step_0000010").is_dir(), (a, b), "the snapshot of step 10")
-        victims = worker_pids(b.proc.pid)
+        victims = worker_pids(b.proc.pid)  # rank 0: the lock holder
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
         codes = wait_all((a, b))
@@ -109,6 +110,7 @@ def test_node_lost_the_other_reforms_alone_and_continues_the_curve(one_process, 
     run = tmp_path / "run"
     with two_nodes(tmp_path, NODES + [f"trainer.run_dir={run}"], nnodes="1:2", max_restarts=3) as (a, b):
         lost_after = lose_node_after_snapshot(a, b, run)
+        assert "layout: world 2 " in b.output()  # the lost node ran rank 0 and held the run folder's lock
         codes = wait_all((a,))
         out = a.output()
     assert codes == [0], out[-6000:]
