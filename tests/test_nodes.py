@@ -119,7 +119,10 @@ def test_node_lost_the_other_reforms_alone_and_continues_the_curve(one_process, 
     start = int(resumed[-1][1])
     assert lost_after <= start < STEPS, (lost_after, out[-6000:])
     # the same global batch and data order: every step's loss is one process's (the first segment
-    # by parity, the resumed one because world 1 reads the same batches from the same state)
+    # by parity, the resumed one because world 1 reads the same batches from the same state).
+    # LOSS_RTOL (1e-4) is the bound of tests/test_reshard.py for a run resumed in another layout;
+    # measured here 1.4e-7 (summation order), while the losses of neighbouring steps differ by a
+    # median 2% (1.7e-4 at the closest), so a data order off by one step fails at almost every step.
     ref, got = metrics(one_process), metrics(run)
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(ref, got):
