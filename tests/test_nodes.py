@@ -134,13 +134,16 @@ def test_node_lost_the_other_reforms_alone_and_continues_the_curve(one_process, 
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 # Stand-ins for SLURM's commands, so the sbatch script itself runs here under bash (#SBATCH lines
 # are comments to bash). srun starts its command once per "node" (SLURM_NNODES) on this machine
-# with the node's SLURM_NODEID/SLURM_PROCID and forwards SIGTERM/SIGINT to them, as srun forwards
-# signals to its tasks; it exits with the first non-zero status of its tasks.
+# with the node's SLURM_NODEID/SLURM_PROCID (in a cuda session a GPU of its own) and forwards
+# SIGTERM/SIGINT to them, as srun forwards signals to its tasks; it exits with the first non-zero
+# status of its tasks.
 FAKE_SRUN = r"""#!/bin/bash
 while [[ $1 == -* ]]; do shift; done   # srun's own options (the script writes them as --opt=value)
 pids=()
 for ((i = 0; i < SLURM_NNODES; i++)); do
-    SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" &
+    # SLURM binds each node's GPUs; a cpu session hides them all (CUDA_VISIBLE_DEVICES empty)
+    gpu=$i; [[ ${CUDA_VISIBLE_DEVICES-unset} == "" ]] && gpu=""
+    CUDA_VISIBLE_DEVICES=$gpu SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" &
     pids+=($!)
 done
 trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
