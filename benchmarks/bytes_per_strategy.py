@@ -1,6 +1,8 @@
 """Bytes on the wire per optimizer step for each data-parallel strategy, measured on the loopback
-interface, next to the ring volumes of theory (fp32 gradients/parameters, K = 4a bytes for a
-parameters, n ranks; totals over all ranks):
+interface, next to the ring volumes of theory.
+
+Theory for fp32 gradients and parameters (K = 4a bytes for a parameters, n ranks), totals over
+all ranks per step:
 
     ddp, zero-1, zero-2       2(n-1)K   a reduce-scatter + an all-gather (= a ring all-reduce)
     zero-3, fsdp              3(n-1)K   + the all-gather again in backward (parameters resharded)
