@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +94,21 @@ def _rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dis
     single_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1
     if agent_store and single_node:
         return dist.PrefixStore(f"mingpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if rank == 0 and (advice := shared_store_advice(os.environ)):
+        warnings.warn(advice, stacklevel=2)
     return store
+
+
+def shared_store_advice(environ) -> str | None:
+    """The warning for a multi-node torchrun whose workers share the agents' rendezvous store:
+    restarts there can fail or hang (pytorch#135712), and no per-attempt prefix can help across
+    agents that count their restarts apart (see _rendezvous_store). None when the launch is fine."""
+    multi_node = int(environ.get("GROUP_WORLD_SIZE", "1")) > 1
+    if multi_node and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return ("this multi-node job shares torchrun's rendezvous store with its workers, so a restart "
+                "after a failure can fail or hang (pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "on every node before torchrun (docs/scaling-out.md)")
+    return None
 
 
 _CONTROL_GROUP = None

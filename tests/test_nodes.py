@@ -218,3 +218,15 @@ def test_slurm_script_trains_on_two_nodes_requeues_at_time_limit_and_resumes(two
     ta, tb = model_tensors(two_node_run), model_tensors(run)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     assert [(r["step"], r["loss"]) for r in metrics(run)] == [(r["step"], r["loss"]) for r in metrics(two_node_run)]
+
+
+def test_a_multi_node_launch_sharing_the_agents_store_is_warned_about():
+    """What torchrun sets for a worker of a 2-node job without TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    (agent store shared, 2 agents) gets the warning; the launches of this file (which set it), a
+    single node and a plain process do not."""
+    from parallel.env import shared_store_advice
+    forgot = {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared_store_advice(forgot)
+    assert shared_store_advice({**forgot, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert shared_store_advice({**forgot, "GROUP_WORLD_SIZE": "1"}) is None
+    assert shared_store_advice({}) is None
