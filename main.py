@@ -10,8 +10,9 @@ resume, writing nothing.) Bad input anywhere surfaces as `UsageError`: one line 
 0's, the only thing printed; under torchrun also its failure summary, via the elastic error file)
 and exit code 2. Nothing in the run folder is written before every check (resume's included) has
 passed, so a refused launch leaves the folder as it was.
-SIGTERM/SIGINT during training: every rank stops at one step, saves it, one line, exit
-(`train_until_stopped`, `stop_exit_code`). A non-finite loss or weight: one line, exit 1.
+SIGTERM/SIGINT during training: every rank stops at one step, saves it, one line naming the
+command that resumes, exit (`train_until_stopped`, `stop_exit_code`); before or after training: one
+line, then the process ends by that signal (stopping.py). A non-finite loss or weight: one line, exit 1.
 """
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ import threading
 import time
 import warnings
 from pathlib import Path
+
+from stopping import (
+    STOP_SIGNALS,
+    Interrupted,
+    die_by,
+    interrupted_line,
+    launch_command,
+    raise_interrupted,
+    stop_line,
+    stop_while_loading,
+)
+
+if __name__ == "__main__":  # torch loads for seconds: a Ctrl-C meanwhile is one line, not a traceback
+    for _sig in STOP_SIGNALS:
+        signal.signal(_sig, stop_while_loading)
 
 import torch
 import torch.distributed as dist
@@ -60,7 +76,6 @@ from token_files import corpus_tokenizer, open_token_corpus
 from trainer import NonFiniteError, Trainer, seed_rng
 
 HERE = Path(__file__).resolve().parent
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what SLURM, Kubernetes, torchrun and a terminal send before a kill
 DEFAULT_CONFIG = HERE / "gpt2_train_cfg.yaml"
 # How long a rank other than 0 waits before reporting an error under torchrun, so rank 0 (which
 # meets the same bad input) reports it first and the agent stops the rest (it polls every 0.1 s).
@@ -172,7 +187,9 @@ def train_until_stopped(trainer) -> dict:
     """trainer.train() with SIGTERM and SIGINT recorded instead of killing the process, so a
     preempted job stops at a step boundary with a snapshot (see Trainer.train). The default
     handlers come back afterwards: export and sample run after the final snapshot, so a signal
-    there loses nothing."""
+    there loses nothing. Once a signal was recorded, later ones are ignored until the launch ends:
+    a Ctrl-C reaches a torchrun worker twice (the terminal's, the agent's), and the stop prints one
+    line."""
     if threading.current_thread() is not threading.main_thread():  # Python allows handlers only there
         return trainer.train()
     previous = {sig: signal.signal(sig, trainer.stop_request) for sig in STOP_SIGNALS}
@@ -180,7 +197,7 @@ def train_until_stopped(trainer) -> dict:
         return trainer.train()
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if trainer.stop_request.signum else handler)
 
 
 def stop_exit_code(signum: int, under_torchrun: bool) -> int:
@@ -202,7 +219,7 @@ def run(argv, keep_process_group: bool = False) -> int:
         raise UsageError("--world-size, --device-memory, --plan-json and --explain only apply with --plan; add --plan")
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
     env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
-    lock = None
+    lock, summary = None, None
     try:
         corpus = _fallback_corpus_run_dir(cfg, env)  # may move run_dir: before the lock
         run_dir = Path(cfg.trainer.run_dir).expanduser()
@@ -239,8 +256,8 @@ def run(argv, keep_process_group: bool = False) -> int:
         if summary.get("stopped"):
             trainer.close_tracker()
             if strategy.is_tracker:
-                print(f"stopped by {signal.Signals(summary['stopped']).name} at step {summary['final_step']}: "
-                      f"saved {summary['snapshot']}; run the same command again to resume", flush=True)
+                print(stop_line(summary["stopped"], summary["final_step"], summary["snapshot"],
+                                launch_command(cfg.trainer.resume == "never")), flush=True)
             return stop_exit_code(summary["stopped"], env.distributed)
 
         # ---- outputs: consolidated weights, a short sample, the wandb summary. The run is complete
@@ -261,6 +278,14 @@ def run(argv, keep_process_group: bool = False) -> int:
             trainer.close_tracker(summary, sample)
             print(f"done: step {summary['final_step']} | val loss {summary['val_loss']:.4f} | "
                   f"outputs in {run_dir}", flush=True)
+    except Interrupted as e:  # a signal outside the step loop (stopping.py); main() ends the process
+        if env.rank == 0:  # one line per job: every rank got the same signal
+            final = str(trainer.last_snapshot) if summary is not None else None
+            # this launch saved nothing (or finished): its own command, trainer.resume as it was
+            print(interrupted_line(e.signum, launch_command(resume_never=False), final,
+                                   Path(cfg.trainer.run_dir).expanduser()), flush=True)
+        e.reported = True
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -360,10 +385,18 @@ def _elastic_error_handler():
 
 def main(argv=None, keep_process_group: bool = False) -> int:
     _one_line_warnings()
+    # From here on a stop signal is one line, never a traceback (train_until_stopped records it instead)
+    previous = {sig: signal.signal(sig, raise_interrupted) for sig in STOP_SIGNALS} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         code = record(run, error_handler=_elastic_error_handler())(sys.argv[1:] if argv is None else argv,
                                                                    keep_process_group)
         return 0 if code is None else code  # record() turns argparse's SystemExit(0) (--help) into None
+    except Interrupted as e:  # run() reports it once the config exists; before that, here
+        if int(os.environ.get("RANK", "0")) == 0 and not e.reported:
+            print(interrupted_line(e.signum, launch_command(resume_never=False)), flush=True)
+        die_by(e.signum)
+        return 128 + e.signum  # only if the signal did not end the process
     except Exception as e:
         line = error_line(e)
         if line is None:
@@ -371,6 +404,9 @@ def main(argv=None, keep_process_group: bool = False) -> int:
         if int(os.environ.get("RANK", "0")) == 0:  # one line per job: every rank meets the same input
             print(line, file=sys.stderr, flush=True)
         return 2 if isinstance(e, UsageError) else 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""Stopping safely (issue 9, items 2 and 3): a SIGTERM to the torchrun agent or to one worker
-stops every rank at one step with one snapshot of it, also when a second SIGTERM lands in the
-middle of that snapshot's write, and the relaunch ends bit-identical; a non-finite loss or weight
-at a step that is not logged is never snapshotted and stops the run with one line."""
+"""Stopping safely (issue 9, items 2 and 3; issue 13, item 8): a Ctrl-C (SIGINT to the whole
+process group, as a terminal sends it) or a SIGTERM to one worker stops every rank at one step with
+one snapshot of it, also when a second SIGTERM lands in the middle of that snapshot's write; the job
+prints one closing line naming the snapshot and the command that resumes, and no traceback of ours;
+running that command ends bit-identical. A signal during start-up is one line too. A non-finite loss
+or weight at a step that is not logged is never snapshotted and stops the run with one line."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,13 +23,16 @@ import main as app
 from config import load_config
 from harness import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
 from parallel.env import init_distributed
+from stopping import torchrun_command
 
 # save_every=0 (TINY): the only snapshots are the stop snapshots and the final one, so a relaunch
 # can only resume from what the stop wrote.
 STOP = TINY + ["trainer.sample_tokens=0", "parallel.strategy=ddp", "model.n_embd=64",
                "trainer.max_steps=120", "trainer.log_every=10", "trainer.eval_every=40"]
-STOP_LINE = re.compile(r"^stopped by SIGTERM at step (\d+): saved (\S+); run the same command again to resume$",
-                       re.M)
+STOP_LINE = re.compile(r"^stopped by (SIGTERM|SIGINT) at step (\d+): saved (\S+); to resume: (.+)$", re.M)
+START_LINE = re.compile(r"^stopped by (SIGINT|SIGTERM) during start-up: this launch saved nothing; to relaunch: (.+)$",
+                        re.M)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
 def snapshots(run_dir: Path) -> list[str]:
@@ -49,71 +55,168 @@ def rank_pid(agent_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} under {agent_pid}")
 
 
-def launch(run_dir: Path, target: str | None, max_restarts: int = 0, **env) -> tuple[int, str]:
-    """torchrun with 2 ddp workers; once the first progress line shows training, send SIGTERM to
-    `target` ('agent' = torchrun itself, which forwards it to every worker; 'rank1' = only that
-    worker). Returns (exit code, stdout + stderr)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "main.py", *STOP,
-           f"trainer.run_dir={run_dir}"]
+def launch(cmd: list[str], signal_to: str | None, when: str | Path = "training", **env) -> tuple[int, str]:
+    """Run `cmd` (torchrun or `python main.py`) in a process group of its own, as a shell runs a
+    job, and signal it once the first progress line shows training (when="training") or while its
+    processes import torch (when="start-up") or once the file `when` exists: 'group' = SIGINT to the whole group, as a terminal's
+    Ctrl-C does; 'agent' = SIGTERM to torchrun only, as SLURM or Kubernetes may send it; 'rank1' =
+    SIGTERM to that torchrun worker only. Returns (exit code, stdout + stderr)."""
     lines: list[str] = []
     with multiprocess_lock():
         proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
         reader.start()
         try:
-            if target is not None:
+            if signal_to is not None:
                 deadline = time.time() + 120
-                while time.time() < deadline and proc.poll() is None and \
-                        not any(l.startswith("step ") for l in lines):
+                while time.time() < deadline and proc.poll() is None and not (
+                        any(l.startswith("step ") for l in lines) if when == "training"
+                        else importing_torch(proc.pid, cmd[1] == "-m") if when == "start-up"
+                        else Path(when).exists()):
                     time.sleep(0.02)
-                assert proc.poll() is None, "".join(lines)[-3000:]
-                os.kill(proc.pid if target == "agent" else rank_pid(proc.pid, 1), signal.SIGTERM)
+                assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
+                if signal_to == "group":
+                    os.killpg(proc.pid, signal.SIGINT)
+                elif signal_to == "agent":
+                    os.kill(proc.pid, signal.SIGTERM)
+                else:
+                    os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
             rc = proc.wait(timeout=200)
         finally:
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
         reader.join(timeout=10)
     return rc, "".join(lines)
 
 
-def stop_of(out: str) -> tuple[int, str]:
+def importing_torch(pid: int, torchrun: bool) -> bool:
+    """True once every process of the launch (torchrun's 2 workers, or the one process) has
+    loaded libtorch: they are in `import torch`, seconds before training could start."""
+    pids = worker_pids(pid) if torchrun else [pid]
+    try:
+        return len(pids) == (2 if torchrun else 1) and all(
+            "libtorch_cpu" in Path(f"/proc/{p}/maps").read_text() for p in pids)
+    except OSError:
+        return False
+
+
+def assert_no_traceback_of_ours(out: str, torchrun: bool) -> None:
+    """Our processes print no traceback. torchrun's agent, when it gets the signal itself, always
+    prints its own (SignalException, raised by its signal handler; see the README)."""
+    assert "KeyboardInterrupt" not in out and 'main.py", line' not in out, out[-4000:]
+    if torchrun:
+        assert out.count("Traceback (most recent call last)") == 1, out[-4000:]
+        assert re.search(r"SignalException: Process \d+ got signal: \d+$", out.rstrip()), out[-4000:]
+    else:
+        assert "Traceback" not in out, out[-4000:]
+
+
+def stop_of(out: str) -> tuple[int, str, list[str]]:
+    """The one closing line of a job stopped during training: (step, snapshot, resume command)."""
     found = STOP_LINE.findall(out)
     assert len(found) == 1, out[-4000:]  # one closing line per job, not one per rank
-    return int(found[0][0]), found[0][1]
+    assert not START_LINE.search(out), out[-4000:]
+    return int(found[0][1]), found[0][2], shlex.split(found[0][3])
 
 
-def test_sigterm_stops_at_one_step_saves_it_and_relaunch_matches(tmp_path):
+def test_ctrl_c_or_sigterm_stops_at_one_step_saves_it_and_the_printed_command_resumes(tmp_path):
     reference, run = tmp_path / "reference", tmp_path / "run"
     r = torchrun(2, ["main.py", *STOP, f"trainer.run_dir={reference}"], timeout=200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
-    # (a) SIGTERM to the torchrun agent mid-run: it forwards SIGTERM to both workers.
-    rc, out = launch(run, "agent")
-    step_a, path_a = stop_of(out)
+    # (a) Ctrl-C: SIGINT to the whole process group mid-run (torchrun's agent and both workers).
+    cmd_a = [*TORCHRUN, "main.py", *STOP, f"trainer.run_dir={run}"]
+    rc, out = launch(cmd_a, "group")
+    step_a, path_a, resume_a = stop_of(out)
+    assert "stopped by SIGINT" in out and resume_a == cmd_a, out[-4000:]
     assert 0 < step_a < 120, out[-4000:]
     assert snapshots(run) == [f"step_{step_a:07d}"] and Path(path_a) == run / "snapshots" / snapshots(run)[0]
     assert rc == 1  # torchrun re-raises the signal it got (SignalException): the job did not finish
+    assert_no_traceback_of_ours(out, torchrun=True)
     assert not (run / "model.pt").exists()  # a stop is not the end of training
 
     # (b) SIGTERM to rank 1 only, (c) and a second SIGTERM to rank 0 in the middle of the stop
     # snapshot's write. --max-restarts=1: the workers exit 0, so the agent must not restart them.
-    rc, out = launch(run, "rank1", max_restarts=1, MINGPT_FAULT="term:save:*:0")
+    cmd_b = [*TORCHRUN, "--max-restarts=1", "--monitor-interval=0.2", "main.py", *STOP, f"trainer.run_dir={run}"]
+    rc, out = launch(cmd_b, "rank1", MINGPT_FAULT="term:save:*:0")
     assert rc == 0, out[-4000:]
     assert "[fault] rank 0 sends itself SIGTERM at save" in out, out[-4000:]
     assert out.count("resumed from") == 1, out[-4000:]  # this launch's own resume; no restart
-    step_b, path_b = stop_of(out)
+    step_b, path_b, resume_b = stop_of(out)
+    assert "stopped by SIGTERM" in out and resume_b == cmd_b and "Traceback" not in out, out[-4000:]
     assert step_a < step_b < 120, out[-4000:]
     assert snapshots(run) == [f"step_{step_a:07d}", f"step_{step_b:07d}"], out[-4000:]
 
-    # the relaunch resumes from the stop snapshot and ends as if nothing happened
-    r = torchrun(2, ["main.py", *STOP, f"trainer.run_dir={run}"], timeout=200)
+    # the printed command, run as printed, resumes from the stop snapshot and ends as if nothing happened
+    with multiprocess_lock():
+        r = subprocess.run(resume_b, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"step_{step_b:07d} at step {step_b}" in r.stdout
     ta, tb = model_tensors(reference), model_tensors(run)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     assert metric_steps(run) == metric_steps(reference)
+
+
+def test_ctrl_c_to_python_main_py_stops_saves_and_the_printed_command_resumes(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "main.py", *STOP, "parallel.strategy=none", "trainer.resume=never",
+           f"trainer.run_dir={run}"]
+    rc, out = launch(cmd, "group")
+    assert rc == 128 + signal.SIGINT, out[-4000:]  # as a shell reports a job ended by Ctrl-C
+    step, path, resume = stop_of(out)
+    assert_no_traceback_of_ours(out, torchrun=False)
+    assert snapshots(run) == [f"step_{step:07d}"] and Path(path) == run / "snapshots" / snapshots(run)[0]
+    # trainer.resume=never would refuse the folder it just filled: the printed command resumes
+    assert resume == [*cmd, "trainer.resume=auto"], out[-4000:]
+    r = subprocess.run(resume, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0 and f"resumed from {path} at step {step}" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.rstrip().splitlines()[-1].startswith("done: step 120"), r.stdout[-2000:]
+
+
+def test_a_signal_during_start_up_is_one_line_and_no_traceback(tmp_path):
+    """Ctrl-C (or torchrun's forwarded SIGTERM) while the processes still import torch: before the
+    step loop there is no step to agree on, so every process ends by the signal at once (a shell
+    shows 128 + signal; subprocess -signal); the job prints one line."""
+    for i, (cmd, target, code) in enumerate((
+            ([*TORCHRUN, "main.py", *STOP], "group", 1),
+            ([*TORCHRUN, "main.py", *STOP], "agent", 1),
+            ([sys.executable, "main.py", *STOP, "parallel.strategy=none"], "group", -signal.SIGINT))):
+        run = tmp_path / f"run{i}"
+        cmd = [*cmd, f"trainer.run_dir={run}"]
+        rc, out = launch(cmd, target, when="start-up")
+        assert rc == code, out[-4000:]
+        found = START_LINE.findall(out)
+        assert len(found) == 1 and found[0][0] == ("SIGINT" if target == "group" else "SIGTERM"), out[-4000:]
+        assert shlex.split(found[0][1]) == cmd, out[-4000:]
+        assert_no_traceback_of_ours(out, torchrun=cmd[1] == "-m")
+        assert not STOP_LINE.search(out) and not (run / "snapshots").exists(), out[-4000:]
+
+
+def test_ctrl_c_after_training_is_one_line_naming_the_final_snapshot(tmp_path):
+    """SIGINT while the finished run writes its sample (model.pt is written just before): the final
+    snapshot is in place, so the line says so and how to write model.pt, instead of a traceback."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "main.py", *STOP, "parallel.strategy=none", "trainer.max_steps=20",
+           "trainer.sample_tokens=20000", f"trainer.run_dir={run}"]
+    rc, out = launch(cmd, "group", when=run / "model.pt")
+    assert rc == -signal.SIGINT, out[-4000:]  # ended by the signal: a shell shows 130
+    assert_no_traceback_of_ours(out, torchrun=False)
+    lines = [l for l in out.splitlines() if l.startswith("stopped by")]
+    assert lines == [f"stopped by SIGINT after training: saved {run / 'snapshots' / 'step_0000020'}, but "
+                     f"model.pt or sample.txt may be missing; to write model.pt: python export.py --run-dir {run}"], out
+    assert snapshots(run) == ["step_0000020"] and not (run / "sample.txt").exists()
+
+
+def test_the_resume_command_is_read_from_torchrun_as_it_was_typed():
+    """The launches above run `python -m torch.distributed.run`; the `torchrun` script runs as its
+    shebang's interpreter + the script's path; any other parent gives no command."""
+    args = ["--nproc_per_node=2", "main.py", "trainer.run_dir=runs/x y"]
+    assert torchrun_command(["/venv/bin/python3.11", "/venv/bin/torchrun", *args]) == ["torchrun", *args]
+    assert torchrun_command(["python3", "-u", "-m", "torch.distributed.run", *args]) == \
+        ["python3", "-u", "-m", "torch.distributed.run", *args]
+    assert torchrun_command(["python", "-m", "other.launcher", *args]) is None
+    assert torchrun_command(["/usr/sbin/slurmstepd"]) is None
 
 
 # ----------------------------------------------------------------------------- non-finite
