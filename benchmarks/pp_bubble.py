@@ -1,4 +1,4 @@
-"""Measured pipeline bubble per schedule vs theory, for the README's strategy table.
+"""Measured pipeline bubble per schedule vs theory, for the layout table of docs/layouts.md.
 
 For each schedule and micro-batch count m, trains a few steps of a small GPT split over p pipeline
 ranks (torchrun, gloo, CPU) and measures on every rank:

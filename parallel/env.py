@@ -80,9 +80,9 @@ def _rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dis
     the restarts then fail with "Connection refused" or hang (pytorch#135712). Prefixing every key
     with the restart attempt gives each attempt a clean namespace. On one node the attempt number
     (TORCHELASTIC_RESTART_COUNT) is the same for every worker, since one agent restarts them all.
-    Across nodes each agent counts its own restarts, so there we keep torch's default and the
-    README asks for TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every rendezvous round a
-    fresh store of its own.
+    Across nodes each agent counts its own restarts, so there we keep torch's default and
+    docs/scaling-out.md asks for TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every
+    rendezvous round a fresh store of its own (shared_store_advice warns when it is missing).
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
