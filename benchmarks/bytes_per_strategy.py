@@ -36,6 +36,7 @@ LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.loc
 STEPS = 5
 
 from config import UsageError, reject_dashed_overrides  # noqa: E402
+from measure import loopback_tx_bytes  # noqa: E402
 
 # name -> (overrides, theory as text, theory(K, n): total bytes over the ranks per step)
 STRATEGIES = {
@@ -47,15 +48,6 @@ STRATEGIES = {
     "fsdp, no reshard": ("parallel.strategy=fsdp parallel.reshard_after_forward=false", "2(n-1)K",
                          lambda k, n: 2 * (n - 1) * k),
 }
-
-
-def loopback_tx_bytes() -> int:
-    """Bytes `lo` has transmitted since boot (/proc/net/dev, Linux)."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, fields = line.partition(":")
-        if name.strip() == "lo":
-            return int(fields.split()[8])
-    raise SystemExit("error: no loopback interface 'lo' in /proc/net/dev; this benchmark needs Linux")
 
 
 def worker(overrides: list[str]) -> None:

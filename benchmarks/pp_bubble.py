@@ -25,12 +25,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+
+from measure import StageClock, add_timer  # noqa: E402
 
 # (label, overrides): stages per rank v is read back from the config
 SCHEDULES = [
@@ -51,19 +52,6 @@ def theory(schedule: str, p: int, m: int, v: int) -> float | None:
     return (p - 1) / (v * m + p - 1)
 
 
-def _timed(obj, name: str, clock: list[float]) -> None:
-    """Wrap obj.name so its wall time is added to clock[0]."""
-    inner = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            clock[0] += time.perf_counter() - t0
-    setattr(obj, name, wrapper)
-
-
 def measure(overrides: list[str], steps: int, warmup: int, run_dir: Path) -> dict:
     """Collective: (mean bubble over ranks and timed steps, median step ms) for one layout."""
     import torch
@@ -77,12 +65,8 @@ def measure(overrides: list[str], steps: int, warmup: int, run_dir: Path) -> dic
     env = init_distributed(cfg)
     trainer = build_trainer(cfg, env, run_dir)
     pipe = trainer.strategy.runner  # parallel.pp.Pipeline
-    busy, step_time = [0.0], [0.0]
-    for stage in pipe.stages:
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            _timed(stage, name, busy)
-    _timed(pipe.schedule, "_loss_fn", busy)
-    _timed(pipe.schedule, "step", step_time)
+    busy, step_time = StageClock(pipe).busy, [0.0]
+    add_timer(pipe.schedule, "step", step_time)
     bubbles, steps_ms = [], []
     for step in range(warmup + steps):
         busy[0] = step_time[0] = 0.0

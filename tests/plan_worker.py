@@ -6,7 +6,7 @@ build_trainer, train two steps, and record on every rank
   (Strategy.resident_bytes: read from the strategy's own local tensors), and
 - the bytes saved for backward by the second step's forward/backward, counted as unique storages
   (saved_tensors_hooks; parameters excluded, a DTensor by its local shard) and divided by the
-  forward/backwards of that step: the bytes one micro-batch saves on this rank.
+  forward/backwards of that step: the bytes one micro-batch saves on this rank (measure.SavedBytes).
 Rank 0 writes OUT/NAME.json with every rank's figures, pipeline rank and micro-batch count.
 """
 from __future__ import annotations
@@ -19,34 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
 
 from harness import TINY  # noqa: E402
-
-
-class SavedBytes:
-    """Counts the storages autograd saves for backward, each once. Holding a reference to every
-    storage keeps the allocator from handing a freed one's address to the next tensor."""
-
-    def __init__(self):
-        self.storages: dict[int, torch.UntypedStorage] = {}
-
-    def pack(self, t: torch.Tensor):
-        # a weight (or its transposed view, which F.linear saves) is a parameter, not an activation
-        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
-            local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard
-            st = local.untyped_storage()
-            self.storages.setdefault(st.data_ptr(), st)
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(st.nbytes() for st in self.storages.values())
+from measure import SavedBytes  # noqa: E402
 
 
 def run_case(overrides: list[str], run_dir: Path) -> dict:

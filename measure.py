@@ -1,0 +1,191 @@
+"""What a layout really holds, moves and waits for on one rank: the measuring side of planner.py.
+
+Used by tests/plan_worker.py (the planner's tests), benchmarks/strategy_report.py (predicted vs
+measured per layout), benchmarks/bytes_per_strategy.py and benchmarks/pp_bubble.py.
+
+- `SavedBytes`: the bytes autograd saves for backward (torch.autograd.graph.saved_tensors_hooks),
+  each storage once, parameters excluded, a DTensor by its local shard.
+- `CollectiveCounter`: every collective this process issues, with its payload bytes, counted at the
+  dispatcher (a TorchDispatchMode). Python wrappers of torch.distributed would miss most of them:
+  DDP's reducer calls ProcessGroup::allreduce from C++, DTensor (tp) and FSDP2 go through the
+  functional collectives (`torch.ops._c10d_functional.*`) or straight to the c10d ops. All of these
+  reach the dispatcher as `torch.ops.c10d.*` (allreduce_, _allgather_base_, _reduce_scatter_base_,
+  alltoall_base_, send, recv_, ...) or `torch.ops._c10d_functional.*`; a functional collective is
+  counted once, as itself (inside the mode's handler the mode is off, so the c10d op it issues
+  underneath is not seen again). Like torch's own CommDebugMode, the mode steps aside for DTensor
+  operations (NotImplemented) so that DTensor's desugared collectives on plain tensors are seen.
+- `loopback_tx_bytes`: bytes the `lo` interface has transmitted (/proc/net/dev), i.e. the wire
+  bytes of every local rank together, TCP/IP headers included.
+- `StageClock`: busy time of pipeline stages, for the measured bubble 1 - busy / step time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class SavedBytes:
+    """Counts the storages autograd saves for backward, each once. Holding a reference to every
+    storage keeps the allocator from handing a freed one's address to the next tensor."""
+
+    def __init__(self):
+        self.storages: dict[int, torch.UntypedStorage] = {}
+
+    def pack(self, t: torch.Tensor):
+        # a weight (or its transposed view, which F.linear saves) is a parameter, not an activation
+        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
+            local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard
+            st = local.untyped_storage()
+            self.storages.setdefault(st.data_ptr(), st)
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(st.nbytes() for st in self.storages.values())
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+# op name -> (kind, which argument is the payload K). K is what the planner calls a collective's
+# payload: the whole reduced tensor (all-reduce), the whole input of a reduce-scatter or an
+# all-to-all, the whole gathered output of an all-gather, what a send sends.
+_C10D = {
+    "allreduce_": ("all-reduce", 0), "allreduce_coalesced_": ("all-reduce", 0),
+    "_allgather_base_": ("all-gather", 0), "allgather_": ("all-gather", 0),
+    "allgather_into_tensor_coalesced_": ("all-gather", 0), "allgather_coalesced_": ("all-gather", 0),
+    "_reduce_scatter_base_": ("reduce-scatter", 1), "reduce_scatter_": ("reduce-scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce-scatter", 1),
+    "alltoall_base_": ("all-to-all", 1), "alltoall_": ("all-to-all", 1),
+    "broadcast_": ("broadcast", 0), "send": ("send", 0), "recv_": ("recv", 0),
+    "reduce_": ("reduce", 0), "gather_": ("gather", 1), "scatter_": ("scatter", 0),
+}
+# functional collectives (DTensor, FSDP2's reshard paths): (kind, payload multiplier by group size)
+_FUNCOL = {
+    "all_reduce": ("all-reduce", False), "all_reduce_": ("all-reduce", False),
+    "all_reduce_coalesced": ("all-reduce", False), "all_reduce_coalesced_": ("all-reduce", False),
+    "all_gather_into_tensor": ("all-gather", True), "all_gather_into_tensor_out": ("all-gather", True),
+    "all_gather_into_tensor_coalesced": ("all-gather", True),
+    "reduce_scatter_tensor": ("reduce-scatter", False), "reduce_scatter_tensor_coalesced": ("reduce-scatter", False),
+    "all_to_all_single": ("all-to-all", False), "broadcast": ("broadcast", False), "broadcast_": ("broadcast", False),
+}
+
+
+def ring_moved(kind: str, payload: int, n: int) -> float:
+    """Bytes one rank sends for a collective of `payload` bytes over n ranks, on a ring (the
+    planner's volumes): all-reduce 2K(n-1)/n, reduce-scatter, all-gather and all-to-all K(n-1)/n,
+    a send K, a receive nothing."""
+    if n <= 1 or kind == "recv":
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * payload * (n - 1) / n
+    if kind == "send":
+        return float(payload)
+    return payload * (n - 1) / n
+
+
+@dataclass
+class Call:
+    kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | send | recv | broadcast | ...
+    op: str  # the dispatcher op, e.g. c10d.allreduce_ or _c10d_functional.all_reduce
+    ranks: tuple[int, ...]  # global ranks of the group
+    payload: int  # bytes (see _C10D)
+    phase: str = ""  # CollectiveCounter.phase when it was issued
+
+    @property
+    def moved(self) -> float:
+        return ring_moved(self.kind, self.payload, len(self.ranks))
+
+
+def _group_ranks(args) -> tuple[int, ...]:
+    for a in args:
+        if isinstance(a, dist.ProcessGroup):
+            return tuple(dist.get_process_group_ranks(a))
+        if isinstance(a, str):  # a functional collective's group name
+            try:
+                pg = dist.distributed_c10d._resolve_process_group(a)
+            except (ValueError, RuntimeError, KeyError):
+                continue
+            return tuple(dist.get_process_group_ranks(pg))
+    return tuple(range(dist.get_world_size()))
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """`with CollectiveCounter() as c:` records every collective this process issues in c.calls,
+    each tagged with `c.phase` (set it around a part of the step to tell its collectives apart)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[Call] = []
+        self.phase = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run; its collectives on local tensors come back here
+        out = func(*args, **kwargs)
+        ns, name = getattr(func, "namespace", ""), func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else ""
+        if ns == "c10d" and name in _C10D:
+            kind, i = _C10D[name]
+            self.calls.append(Call(kind, f"c10d.{name}", _group_ranks(args), _nbytes(args[i]), self.phase))
+        elif ns in ("_c10d_functional", "_c10d_functional_autograd") and name in _FUNCOL:
+            kind, gathered = _FUNCOL[name]
+            ranks = _group_ranks(list(args) + list(kwargs.values()))
+            payload = _nbytes(args[0]) * (len(ranks) if gathered else 1)
+            self.calls.append(Call(kind, f"{ns}.{name}", ranks, payload, self.phase))
+        return out
+
+
+# ----------------------------------------------------------------------------- wire and time
+
+
+def loopback_tx_bytes() -> int:
+    """Bytes `lo` has transmitted since boot (/proc/net/dev, Linux): every local rank's traffic."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            return int(fields.split()[8])
+    raise SystemExit("error: no loopback interface 'lo' in /proc/net/dev; this measurement needs Linux")
+
+
+def add_timer(obj, name: str, clock: list[float]) -> None:
+    """Wrap obj.name so its wall time is added to clock[0]."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            clock[0] += time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
+class StageClock:
+    """Busy seconds of a parallel.pp.Pipeline on this rank: its stages' forward, backward and
+    weight-backward chunks and the loss (the schedule's own compute; waits for peers excluded)."""
+
+    def __init__(self, pipe):
+        self.busy = [0.0]
+        for stage in pipe.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                add_timer(stage, name, self.busy)
+        add_timer(pipe.schedule, "_loss_fn", self.busy)
