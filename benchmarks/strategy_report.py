@@ -1,0 +1,487 @@
+"""Predicted vs measured, per layout: what every layout that fits N processes holds, moves and costs.
+
+    python benchmarks/strategy_report.py --nproc 4 --out docs/report-n4
+    python benchmarks/strategy_report.py --nproc 2 --out /tmp/r2 --layouts "ddp dp2,pp2 1f1b" model.n_layer=4
+
+One torchrun launch (CPU, gloo, all ranks on this machine, holding the machine-wide multi-process
+lock the tests use) trains every layout in turn in the same process group: the data-parallel
+strategies (ddp, zero-1/2/3, fsdp with and without reshard_after_forward), tensor parallelism,
+pipeline parallelism with each schedule, and the 2-D meshes that fit N. Per layout, after one
+warm-up step:
+
+- one step measured: parameters, gradients and Adam state read from the strategy's own tensors
+  (Strategy.resident_bytes) after its backward; the bytes saved for backward per micro-batch
+  (measure.SavedBytes); every collective the strategy issued with its payload bytes, counted at the
+  dispatcher (measure.CollectiveCounter: the c10d ops that DDP's C++ reducer, FSDP2, the project's
+  ZeRO and the pipeline issue, and the functional collectives of DTensor);
+- STEPS steps timed with nothing attached: step time, tokens/s, the pipeline bubble (1 - the stage's
+  compute time / the schedule step's time, mean over ranks) and the bytes the loopback interface
+  transmitted per step (every rank's traffic, TCP/IP headers included; approximate when anything
+  else uses `lo`, which the lock keeps to the launcher's own store traffic).
+
+The same config goes through planner.plan_layout, and report.json / report.md put prediction and
+measurement side by side: memory categories must agree within 5% and bytes moved within 2%
+(payload issued, converted to a ring's volume per rank); PNG plots show the same. Extra arguments
+are config overrides of the report's model (MODEL below).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+import planner  # noqa: E402
+from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
+from measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes  # noqa: E402
+
+CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
+# small enough for 4 processes on 2 cores, 8 blocks so that pp=4 can hold 2 stages per rank
+MODEL = [f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=8", "model.n_head=4", "model.n_embd=64",
+         "model.block_size=32", "model.dropout=0.0", "trainer.batch_size=16", "trainer.micro_batch_size=0",
+         "trainer.eval_every=1000", "trainer.save_every=0", "trainer.sample_tokens=0", "trainer.resume=never",
+         "trainer.device=cpu", "wandb.enabled=false"]
+MEMORY = ("params", "grads", "optimizer", "activations_per_microbatch")
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")
+MEMORY_BAR, BYTES_BAR = 0.05, 0.02
+SLACK = 64  # bytes: a category predicted as 0 may measure this much
+
+
+def layouts(n: int) -> dict[str, str]:
+    """name -> overrides of every layout to try on n processes (check_layout drops what does not fit)."""
+    out = {
+        f"ddp dp{n}": "parallel.strategy=ddp",
+        f"zero-1 dp{n}": "parallel.strategy=zero parallel.zero_stage=1",
+        f"zero-2 dp{n}": "parallel.strategy=zero parallel.zero_stage=2",
+        f"zero-3 dp{n}": "parallel.strategy=zero parallel.zero_stage=3",
+        f"fsdp dp{n}": "parallel.strategy=fsdp",
+        f"fsdp no-reshard dp{n}": "parallel.strategy=fsdp parallel.reshard_after_forward=false",
+        f"tp{n}": f"parallel.strategy=none parallel.tp={n}",
+        f"tp{n} +sp +vocab": f"parallel.strategy=none parallel.tp={n} parallel.sequence_parallel=true "
+                            "parallel.tp_vocab_parallel=true",
+    }
+    pp = f"parallel.strategy=none parallel.pp={n} parallel.microbatches={2 * n}"
+    out.update({
+        f"pp{n} gpipe": f"{pp} parallel.pp_schedule=gpipe",
+        f"pp{n} 1f1b": f"{pp} parallel.pp_schedule=1f1b",
+        f"pp{n} interleaved v2": f"{pp} parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2",
+        f"pp{n} zero-bubble": f"{pp} parallel.pp_schedule=zero_bubble",
+        f"pp{n} zero-bubble V": f"{pp} parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2",
+    })
+    if n % 2 == 0 and n > 2:
+        h = n // 2
+        out.update({
+            f"fsdp dp{h} x tp2": "parallel.strategy=fsdp parallel.tp=2",
+            f"ddp dp{h} x pp2 1f1b": "parallel.strategy=ddp parallel.pp=2 parallel.microbatches=4",
+            f"tp2 x pp{h} 1f1b":
+                f"parallel.strategy=none parallel.tp=2 parallel.pp={h} parallel.microbatches={2 * h}",
+        })
+    return out
+
+
+def config(overrides: list[str], run_dir: Path):
+    return load_config(None, MODEL + overrides + [f"trainer.run_dir={run_dir}"])
+
+
+# ----------------------------------------------------------------------------- worker (each rank)
+
+
+def _groups(strategy) -> dict[tuple[int, ...], str]:
+    """Ranks of this rank's groups -> the planner's group name (dp, tp, pp, tied)."""
+    import torch.distributed as dist
+
+    out = {}
+    lay = strategy.layout
+    for dim in ("pp", "dp", "tp"):
+        if getattr(lay, dim) > 1:
+            out[tuple(dist.get_process_group_ranks(strategy.mesh[dim].get_group()))] = dim
+    tied = getattr(strategy.runner, "tied_group", None)
+    if tied is not None:
+        out.setdefault(tuple(dist.get_process_group_ranks(tied)), "tied")
+    return out
+
+
+def planner_kind(call, groups: dict[tuple[int, ...], str]) -> str:
+    """The planner's collective kind of a measured call: tp for anything on the tp group, send-recv
+    for what a pipeline stage sends, the dp collectives by name (the project's gloo reduce-scatter is
+    an all-to-all + a local sum: parallel/collectives.py), the tied embedding's all-reduce."""
+    if call.phase == "norm":
+        return "norm"
+    group = groups.get(call.ranks, "other")
+    if group == "tp":
+        return "tp"
+    if call.kind in ("send", "recv"):
+        return "send-recv" if call.kind == "send" else "recv"
+    if call.kind == "all-to-all" and group == "dp":
+        return "reduce-scatter"
+    if call.kind in KINDS and group in ("dp", "tied", "pp"):
+        return call.kind
+    return f"other {call.kind} on {group}"
+
+
+def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
+    import torch.distributed as dist
+
+    from main import build_trainer
+    from parallel.env import init_distributed
+
+    cfg = config(overrides, run_dir)
+    trainer = build_trainer(cfg, init_distributed(cfg), run_dir)
+    s = trainer.strategy
+    for _ in range(2):  # warm-up: a pipeline infers its shapes, DDP rebuilds its buckets (a broadcast)
+        trainer.train_step()
+    saved = SavedBytes()
+    counter = CollectiveCounter()
+    clip = s.clip_grad_norm_
+
+    def clip_tagged(max_norm):  # the gradient norm's reductions: not part of the planner's volumes
+        counter.phase = "norm"
+        try:
+            return clip(max_norm)
+        finally:
+            counter.phase = ""
+    s.clip_grad_norm_ = clip_tagged
+    with counter:
+        with saved.hooks():
+            trainer.forward_backward()
+        memory = s.resident_bytes(trainer.optimizer)
+        trainer.optimizer_step()
+    s.clip_grad_norm_ = clip
+    groups = _groups(s)
+    by_kind: dict[str, dict[str, float]] = {}
+    ops: dict[str, int] = {}
+    for c in counter.calls:
+        k = planner_kind(c, groups)
+        row = by_kind.setdefault(k, {"payload": 0, "moved": 0.0, "calls": 0})
+        row["payload"] += c.payload
+        row["moved"] += c.moved
+        row["calls"] += 1
+        ops[c.op] = ops.get(c.op, 0) + 1
+    pipe = s.runner if s.layout.pp > 1 else None
+    clock = StageClock(pipe) if pipe else None
+    sched = [0.0]
+    if pipe:
+        add_timer(pipe.schedule, "step", sched)
+    dist.barrier()
+    wire0, t0 = loopback_tx_bytes(), time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    dist.barrier()
+    seconds, wire = (time.perf_counter() - t0) / steps, (loopback_tx_bytes() - wire0) / steps
+    mine = {**memory, "activations_per_microbatch": saved.nbytes // s.layout.microbatches,
+            "pp_rank": s.coordinate.pp, "collectives": by_kind, "ops": ops,
+            "busy": clock.busy[0] if clock else 0.0, "schedule_s": sched[0]}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    bubble = (statistics.mean(1 - r["busy"] / max(x["schedule_s"] for x in everyone) for r in everyone)
+              if pipe else None)
+    return {"ranks": everyone, "step_s": seconds, "wire_bytes_per_step": wire, "bubble": bubble}
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    results = {}
+    tmp = Path(tempfile.mkdtemp(prefix="strategy-report-"))
+    for i, (name, overrides) in enumerate(args.case):
+        results[name] = measure_layout(overrides.split(), tmp / f"run{i}", args.steps)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(args.json).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+@dataclass
+class Check:
+    what: str  # e.g. "params pp0" or "all-reduce"
+    predicted: float
+    measured: float
+    bar: float
+
+    @property
+    def ratio(self) -> float | None:
+        return self.measured / self.predicted if self.predicted else None
+
+    @property
+    def ok(self) -> bool:
+        if not self.predicted:
+            return self.measured <= SLACK
+        return abs(self.measured / self.predicted - 1) <= self.bar
+
+
+@dataclass
+class LayoutReport:
+    name: str
+    overrides: str
+    planned_name: str
+    memory: list[Check]  # per pp rank and category, the fullest rank of that pp rank measured
+    moved: list[Check]  # per planner kind, the busiest rank, bytes per step (ring volume of the payload)
+    payload: dict[str, dict]  # measured by kind: payload, moved, calls (busiest rank)
+    ops: dict[str, int]  # dispatcher ops seen on rank 0
+    moved_total_predicted: int
+    moved_total_measured: float  # ring volumes of the measured payloads, all ranks
+    wire_bytes_per_step: float  # loopback, all ranks
+    step_s: float
+    tokens_per_s: float
+    bubble_predicted: float | None
+    bubble_measured: float | None
+    fullest_pp_rank: int
+    ok: bool = field(default=False)
+
+
+def compare(name: str, overrides: str, got: dict, user: list[str], n: int) -> LayoutReport:
+    cfg = config(overrides.split() + user, Path(tempfile.gettempdir()) / "strategy-report-plan")
+    g = planner.gpt_config(cfg, planner.vocab_size(cfg)[0])
+    lp = planner.plan_layout(cfg, g, planner.check_layout(cfg, n), True, None)
+    ranks = got["ranks"]
+    memory = []
+    for want in lp.per_pp_rank:
+        mine = [r for r in ranks if r["pp_rank"] == want.pp_rank]
+        for key in MEMORY:
+            memory.append(Check(f"{key} pp{want.pp_rank}", getattr(want, key), max(r[key] for r in mine), MEMORY_BAR))
+
+    def moved(r):
+        return sum(v["moved"] for k, v in r["collectives"].items() if k in KINDS)
+    busiest = max(ranks, key=moved)
+    kinds = sorted(set(lp.moved_bytes_per_rank) | {k for k in busiest["collectives"] if k in KINDS}
+                   | {k for r in ranks for k in r["collectives"] if k.startswith("other")}, key=str)
+    checks = [Check(k, lp.moved_bytes_per_rank.get(k, 0), busiest["collectives"].get(k, {}).get("moved", 0.0),
+                    BYTES_BAR) for k in kinds]
+    checks.append(Check("total, all ranks", lp.moved_bytes_total, sum(moved(r) for r in ranks), BYTES_BAR))
+    tokens = cfg.trainer.batch_size * cfg.model.block_size
+    rep = LayoutReport(name, overrides, lp.name, memory, checks, busiest["collectives"], ranks[0]["ops"],
+                       lp.moved_bytes_total, sum(moved(r) for r in ranks), got["wire_bytes_per_step"],
+                       got["step_s"], tokens / got["step_s"], lp.bubble if lp.layout.pp > 1 else None,
+                       got["bubble"], lp.memory.pp_rank)
+    rep.ok = all(c.ok for c in memory + checks)
+    return rep
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def mb(x: float) -> str:
+    return f"{x / 1e6:.3f}"
+
+
+def ratio(c: Check) -> str:
+    return f"{c.ratio:.3f}" if c.ratio is not None else ("-" if not c.measured else "unpredicted")
+
+
+def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, steps: int) -> str:
+    out = [f"# Strategy report: {n} processes, predicted vs measured", "",
+           f"Produced by `python benchmarks/strategy_report.py {' '.join(argv)}` (CPU, gloo, {n} processes on "
+           f"one machine; {steps} timed steps per layout after one measured step).", "",
+           f"Model: {model['n_layer']} layers x {model['n_embd']} wide, {model['n_head']} heads, block "
+           f"{model['block_size']}, vocabulary {model['vocab_size']}, {model['parameters']:,} parameters; global "
+           f"batch {model['global_batch']} sequences, {model['precision']}.", "",
+           f"Agreement bars: memory {MEMORY_BAR:.0%}, bytes moved {BYTES_BAR:.0%}. Layouts within both: "
+           f"{sum(r.ok for r in reps)} of {len(reps)}.", "",
+           "![memory](memory.png)", "", "![bytes moved](bytes.png)", "", "![time](time.png)", "",
+           "## Memory per rank (MB = 10^6 bytes), the fullest pipeline rank", "",
+           "Predicted by planner.plan_layout; measured from the strategy's own tensors after the backward "
+           "(the most any rank of that pipeline rank holds) and, for activations, the bytes saved for "
+           "backward per micro-batch. Every pipeline rank is checked; the table shows the fullest.", "",
+           "| layout | params | grads | Adam | activations / micro-batch | worst ratio (all pp ranks) |",
+           "|---|---|---|---|---|---|"]
+    for r in reps:
+        cells = []
+        for key in MEMORY:
+            c = next(c for c in r.memory if c.what == f"{key} pp{r.fullest_pp_rank}")
+            cells.append(f"{mb(c.predicted)} / {mb(c.measured)}")
+        worst = max((abs(c.ratio - 1) for c in r.memory if c.ratio is not None), default=0)
+        out.append(f"| {r.name} | " + " | ".join(cells) + f" | {1 + worst:.3f} |")
+    out += ["", "Cells: predicted / measured.", "",
+            "## Bytes moved per optimizer step, busiest rank (MB)", "",
+            "Measured: every collective the strategy issued during the measured step, counted at the "
+            "dispatcher with its payload, turned into a ring's volume per rank (all-reduce 2K(n-1)/n, "
+            "reduce-scatter / all-gather / all-to-all K(n-1)/n, a send K). ZeRO-1/2 and FSDP2 reduce-scatter on "
+            "gloo as an all-to-all + local sum (parallel/collectives.py), counted as reduce-scatter. The "
+            "gradient norm's reductions (one fp32 per DTensor gradient, a stage's sum) are counted apart (norm), "
+            "the planner leaves them out. Wire: what `lo` "
+            "transmitted per step over the timed steps, all ranks together, TCP/IP headers included.", "",
+           "| layout | all-reduce | reduce-scatter | all-gather | send-recv | tp | norm (bytes) | total all ranks: "
+            "planned / counted / wire | wire / planned |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in reps:
+        cells = []
+        for k in KINDS:
+            c = next((c for c in r.moved if c.what == k), None)
+            cells.append("-" if c is None or (not c.predicted and not c.measured) else
+                         f"{mb(c.predicted)} / {mb(c.measured)} ({ratio(c)})")
+        wire = r.wire_bytes_per_step / r.moved_total_predicted if r.moved_total_predicted else None
+        cells.append(f"{r.payload.get('norm', {}).get('payload', 0):,}")
+        out.append(f"| {r.name} | " + " | ".join(cells) + f" | {mb(r.moved_total_predicted)} / "
+                   f"{mb(r.moved_total_measured)} / {mb(r.wire_bytes_per_step)} | "
+                   + (f"{wire:.3f}" if wire else "-") + " |")
+    out += ["", "Cells: predicted / measured (measured / predicted).", "",
+            "## Time (2 cores shared by all processes: compare layouts, not machines)", "",
+            "| layout | step ms | tokens/s | bubble predicted | bubble measured |", "|---|---|---|---|---|"]
+    for r in reps:
+        bp = f"{r.bubble_predicted:.2f}" if r.bubble_predicted is not None else "-"
+        bm = f"{r.bubble_measured:.2f}" if r.bubble_measured is not None else "-"
+        out.append(f"| {r.name} | {1000 * r.step_s:.1f} | {r.tokens_per_s:,.0f} | {bp} | {bm} |")
+    bad = [(r.name, c) for r in reps for c in r.memory + r.moved if not c.ok]
+    if bad:
+        out += ["", "## Outside the bars", ""]
+        out += [f"- {name}: {c.what} predicted {c.predicted:,.0f}, measured {c.measured:,.0f}" for name, c in bad]
+    out += ["", "## Collectives seen at the dispatcher (rank 0, measured step)", ""]
+    for r in reps:
+        out.append(f"- {r.name}: " + ", ".join(f"{op} x{k}" for op, k in sorted(r.ops.items())))
+    return "\n".join(out) + "\n"
+
+
+def _bars(ax, names, predicted, measured, ylabel):
+    x = range(len(names))
+    w = 0.4
+    ax.bar([i - w / 2 for i in x], predicted, w, label="predicted", color="#9bb7d4")
+    ax.bar([i + w / 2 for i in x], measured, w, label="measured", color="#2b5d8a")
+    ax.set_xticks(list(x), names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plots(reps: list[LayoutReport], out: Path, n: int) -> None:
+    names = [r.name for r in reps]
+    labels = {"params": "parameters", "grads": "gradients", "optimizer": "Adam state",
+              "activations_per_microbatch": "activations / micro-batch"}
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8), sharex=True)
+    for ax, key in zip(axes.flat, MEMORY):
+        pick = [next(c for c in r.memory if c.what == f"{key} pp{r.fullest_pp_rank}") for r in reps]
+        _bars(ax, names, [c.predicted / 1e6 for c in pick], [c.measured / 1e6 for c in pick], "MB per rank")
+        ax.set_title(labels[key])
+    axes.flat[0].legend()
+    fig.suptitle(f"Per-rank memory, predicted (planner) vs measured, {n} processes (fullest rank)")
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=70)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(13, 5))
+    x = range(len(names))
+    w = 0.4
+    bottom_p, bottom_m = [0.0] * len(reps), [0.0] * len(reps)
+    colors = dict(zip(KINDS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
+    for k in KINDS:
+        p = [next((c.predicted for c in r.moved if c.what == k), 0) / 1e6 for r in reps]
+        m = [next((c.measured for c in r.moved if c.what == k), 0) / 1e6 for r in reps]
+        if not any(p) and not any(m):
+            continue
+        ax.bar([i - w / 2 for i in x], p, w, bottom=bottom_p, color=colors[k], alpha=0.45)
+        ax.bar([i + w / 2 for i in x], m, w, bottom=bottom_m, color=colors[k], label=k)
+        bottom_p = [a + b for a, b in zip(bottom_p, p)]
+        bottom_m = [a + b for a, b in zip(bottom_m, m)]
+    ax.scatter([i + w / 2 for i in x], [r.wire_bytes_per_step / 1e6 / n for r in reps], color="black",
+               marker="_", s=300, zorder=3, label="loopback wire / ranks")
+    ax.set_xticks(list(x), names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("MB per optimizer step, busiest rank")
+    ax.set_title("Bytes moved per step by collective: left bar predicted (pale), right bar measured")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "bytes.png", dpi=70)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    a1.bar(names, [r.tokens_per_s for r in reps], color="#2b5d8a")
+    a1.set_ylabel("tokens / s")
+    a1.set_title(f"Throughput ({n} processes on 2 CPU cores)")
+    pp = [r for r in reps if r.bubble_measured is not None]
+    if pp:
+        _bars(a2, [r.name for r in pp], [r.bubble_predicted for r in pp], [r.bubble_measured for r in pp],
+              "idle fraction of a schedule step")
+        a2.set_title("Pipeline bubble")
+        a2.legend()
+    for ax in (a1,):
+        ax.tick_params(axis="x", rotation=35, labelsize=8)
+        for lab in ax.get_xticklabels():
+            lab.set_ha("right")
+    fig.tight_layout()
+    fig.savefig(out / "time.png", dpi=70)
+    plt.close(fig)
+
+
+def main() -> None:
+    if "RANK" in os.environ:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--json", required=True)
+        ap.add_argument("--steps", type=int, required=True)
+        ap.add_argument("--case", nargs=2, action="append", default=[])
+        return worker(ap.parse_args())
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, required=True, help="processes (ranks) to measure")
+    ap.add_argument("--out", required=True, help="folder for report.md, report.json and the plots")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per layout (default 4)")
+    ap.add_argument("--layouts", default="", help="comma-separated layout names (default: all that fit)")
+    ap.add_argument("overrides", nargs="*", help="config overrides of the report's model, e.g. model.n_embd=128")
+    argv = sys.argv[1:]
+    try:
+        reject_dashed_overrides([a for a in argv if not a.startswith("--")])
+    except UsageError as e:
+        ap.exit(2, f"error: {e}\n")
+    args = ap.parse_args()
+    if args.nproc < 2:
+        ap.exit(2, "error: --nproc must be >= 2 (a layout needs at least two processes)\n")
+    try:
+        model = planner.plan(config(args.overrides, Path("unused")), 1).model
+    except UsageError as e:
+        ap.exit(2, f"error: {e}\n")
+    wanted = layouts(args.nproc)
+    if args.layouts:
+        names = [x.strip() for x in args.layouts.split(",")]
+        unknown = [x for x in names if x not in wanted]
+        if unknown:
+            ap.exit(2, f"error: unknown layout(s) {unknown}; choose from {sorted(wanted)}\n")
+        wanted = {k: wanted[k] for k in names}
+    cases, refused = {}, {}
+    for name, overrides in wanted.items():
+        try:
+            planner.check_layout(config(overrides.split() + args.overrides, Path("unused")), args.nproc)
+            cases[name] = overrides
+        except UsageError as e:
+            refused[name] = str(e)
+    if not cases:
+        ap.exit(2, f"error: no layout fits {args.nproc} processes: {sorted(set(refused.values()))[:3]}\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MINGPT_PG_TIMEOUT="60")
+    env.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "data" / "tiktoken"))
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "measured.json"
+        cmd = ["flock", LOCK, "timeout", "900", sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.nproc}", __file__, "--json", str(raw), "--steps", str(args.steps)]
+        for name, overrides in cases.items():
+            cmd += ["--case", name, " ".join(overrides.split() + args.overrides)]
+        r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"error: the measuring launch failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
+        measured = json.loads(raw.read_text())
+    reps = [compare(name, overrides, measured[name], args.overrides, args.nproc) for name, overrides in cases.items()]
+    (out / "report.json").write_text(json.dumps({
+        "nproc": args.nproc, "model": model, "bars": {"memory": MEMORY_BAR, "bytes": BYTES_BAR},
+        "refused": refused, "layouts": [asdict(x) | {"ok": x.ok} for x in reps]}, indent=1))
+    (out / "report.md").write_text(markdown(reps, args.nproc, argv, model, args.steps))
+    plots(reps, out, args.nproc)
+    for x in reps:
+        print(f"{x.name:28s} {'ok' if x.ok else 'OUTSIDE THE BARS'}  step {1000 * x.step_s:.1f} ms")
+    print(f"wrote {out / 'report.md'}, report.json, memory.png, bytes.png, time.png")
+
+
+if __name__ == "__main__":
+    main()
