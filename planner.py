@@ -603,16 +603,18 @@ def _collectives(g: GPTConfig, lay: PlannedLayout, held: list[tuple[ParamSpec, b
         else:  # FSDP2 (zero-3, fsdp; HSDP: sharded over dp_shard ranks, replicated over dp_replicate)
             ns, reps = lay.dp_shard, lay.dp_replicate
             ring_s = (ns - 1) / ns
-            root = sum(numel(local(t)) for t, _ in held if t.where != "block")
-            blocks = grad_elems - root
+            # parallel/fsdp.py passes reshard_after_forward to the root too, which turns off torch's
+            # keep-the-root-gathered default (only for reshard_after_forward=None): with resharding,
+            # the root (embeddings, ln_f, head) is gathered again in backward like every block
+            # (measured: benchmarks/strategy_report.py, 2 x 8 blocks + 2 root all-gathers)
             gathers = 2 if lay.reshard_after_forward else 1
             if ns > 1:
-                ag = (gathers * blocks + root) * gathered_bytes * m
+                ag = gathers * grad_elems * gathered_bytes * m
                 upper = " (an upper bound under pp: stages stay gathered between backwards)" if lay.pp > 1 else ""
                 group = "dp_shard" if reps > 1 else "dp"
-                out.append(Collective("all-gather", group, f"parameters: blocks {gathers}x (forward"
-                                      f"{' + backward' if gathers == 2 else ''}), root 1x, per micro-batch{upper}",
-                                      ag, round(ag * ring_s), f"m ({gathers}K_blocks + K_root)(s-1)/s"))
+                out.append(Collective("all-gather", group, f"parameters, blocks and root: {gathers}x (forward"
+                                      f"{' + backward' if gathers == 2 else ''}) per micro-batch{upper}",
+                                      ag, round(ag * ring_s), f"m {gathers}K(s-1)/s"))
                 rs = grad_elems * reduce_bytes
                 out.append(Collective("reduce-scatter", group, "gradients once per step", rs, round(rs * ring_s),
                                       "K(s-1)/s"))
@@ -623,17 +625,44 @@ def _collectives(g: GPTConfig, lay: PlannedLayout, held: list[tuple[ParamSpec, b
     if tp > 1:
         s, h = g.block_size, g.n_embd
         blocks_here = sum(1 for t, _ in held if t.name.endswith("attn.q_proj.weight"))
-        act = lay.micro_batch_size * s * h * am.matmul
-        calls = 4 * blocks_here  # attention and MLP, forward and backward
-        if lay.tp_vocab_parallel and 0 in stages:
-            calls += 1  # the row-parallel embedding's forward all-reduce
-        payload = calls * act * m
-        out.append(Collective("tp", "tp", ("reduce-scatter + all-gather" if lay.sequence_parallel else "all-reduce")
-                              + " of (b, s, h) per attention and MLP, forward and backward",
-                              payload, round(2 * payload * (tp - 1) / tp), "2 x 4L m bsh e (t-1)/t"))
+        b = lay.micro_batch_size
+        act = b * s * h * am.matmul
+        first, last = 0 in stages, n_stages - 1 in stages
+        vocab = lay.tp_vocab_parallel
+        if not lay.sequence_parallel:
+            # forward: the row-parallel out_proj and mlp.proj outputs; backward: the input gradient
+            # of each column-parallel Linear, q, k, v (three: parallel/tp.py shards them separately)
+            # and fc: 6 all-reduces per block where Megatron's fused qkv has 4; vocabulary-parallel:
+            # the embedding's output and the LM head's input gradient (measured:
+            # benchmarks/strategy_report.py)
+            ar, ag_rs = 6 * blocks_here + (vocab and first) + (vocab and last), 0
+            what = "all-reduce of (b, s, h): out_proj and proj outputs, q/k/v and fc input gradients"
+        else:
+            # per block an all-gather before attention and MLP and a reduce-scatter after them,
+            # mirrored in backward: 8; the first stage gathers the embedding's gradient
+            # (dropout's Replicate -> Shard(1)), the last gathers the head input (vocabulary-
+            # parallel: and reduce-scatters its gradient); vocabulary-parallel embedding: 1 all-reduce
+            ar = int(vocab and first)
+            ag_rs = 8 * blocks_here + first + last + (vocab and last)
+            what = "all-gather + reduce-scatter of (b, s, h) around attention and MLP, forward and backward"
+        # loss_parallel: the max, the sum of exponentials and the target logit over the vocabulary
+        small = 3 * b * s * 4 if vocab and last else 0
+        # sequence parallel: LayerNorm gradients stay Partial DTensors (each rank saw T / tp
+        # positions) and are all-reduced where they are used, not once: in the optimizer step
+        # AdamW (single-tensor) reads each gradient 3 times (lerp_, and addcmul_ with grad twice)
+        # (measured: benchmarks/strategy_report.py; the norm's read is not counted here)
+        norms = sum(numel(local(t)) for t, _ in held if t.name.split(".")[-2] in ("ln_1", "ln_2", "ln_f"))
+        ln_grads = 3 * norms * PARAM_BYTES if lay.sequence_parallel else 0
+        payload = ((ar + ag_rs) * act + small) * m + ln_grads
+        moved = round((((2 * ar + ag_rs) * act + 2 * small) * m + 2 * ln_grads) * (tp - 1) / tp)
+        out.append(Collective("tp", "tp", what, payload, moved,
+                              "m bsh e (t-1)/t x (12L, or 8L with sequence parallel, + ends) + LayerNorm grads"))
     if lay.pp > 1:
         e = lay.micro_batch_size * g.block_size * g.n_embd * am.residual // (tp if lay.sequence_parallel else 1)
-        sends = sum((1 if s < n_stages - 1 else 0) + (1 if s > 0 else 0) for s in stages)
+        # a boundary between two stages of one rank (ZB-V's middle) is a local hand-over, no p2p
+        where = lay.stage_placement
+        sends = sum((s < n_stages - 1 and where[s + 1] != where[s]) + (s > 0 and where[s - 1] != where[s])
+                    for s in stages)
         out.append(Collective("send-recv", "pp", "activations forward and their gradients backward, per micro-batch",
                               sends * e * m, sends * e * m, "m x (b s h e) per stage boundary"))
         if g.tie_weights and (0 in stages) != (n_stages - 1 in stages):
@@ -754,9 +783,11 @@ per rank, the fullest rank (GB = 10^9 bytes); a = parameters held, n = dp ranks,
   hsdp RxS (fsdp, parallel.dp_replicate=R): 16a/S per rank; all-gather and reduce-scatter within a group of S, all-reduce of the shards over R
   act: saved for backward x micro-batches in flight (gpipe: M, 1f1b: min(M, p - rank), interleaved/zero-bubble: torch's order);
        per block fp32 16bsh x 4 B + 16bs + 4b(heads)s (Korthikanti et al. 2022's 34sbh + 5as^2b, adapted to SDPA: --explain)
-  moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n; zero-3/fsdp all-gather blocks twice
-       (forward, backward), the root once. Measured on CPU/gloo before collective fixes (issue 11): ddp 1.008x, zero-1 1.508x,
-       zero-2 1.510x, zero-3 1.352x, fsdp 1.350x of 2(N-1)4a (ddp, zero-1/2) or 3(N-1)4a (zero-3/fsdp), total over ranks"""
+  moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n; zero-3/fsdp all-gather every
+       unit twice (forward, backward; no-reshard once). Measured on CPU/gloo loopback (benchmarks/bytes_per_strategy.py, total over
+       ranks / theory 2(N-1)4a for ddp, zero-1/2, fsdp no-reshard, 3(N-1)4a for zero-3/fsdp): N=2 ddp 1.001x, zero-1 1.001x, zero-2 1.002x,
+       zero-3 1.003x, fsdp 1.003x, no-reshard 1.004x; N=4 ddp 1.002x, zero-1 1.002x, zero-2 0.985x, zero-3 1.006x, fsdp 1.006x,
+       no-reshard 1.006x; each collective against this table: benchmarks/strategy_report.py"""
 
 EXPLAIN = """\
 formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary, t = tp, E = bsh elements):
@@ -779,8 +810,10 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
     stay gathered, 2 blocks gathered (a stage's blocks with reshard_after_forward=false or under pp, whose stages keep
     them gathered between backwards) + 2 blocks of unsharded gradients; with gradient accumulation FSDP2 keeps the
     whole unsharded gradient (4a) between micro-batches; ddp: +4a of buckets when gradient_as_bucket_view=false
-  moved: tp: 4 collectives of E per block per micro-batch (all-reduce, or reduce-scatter + all-gather with sequence
-    parallel: the same bytes), 2 x payload (t-1)/t; pp: activations forward and gradients backward, E per stage
+  moved: tp: 6 all-reduces of E per block per micro-batch (out_proj, proj outputs; q, k, v, fc input gradients, as parallel/tp.py
+    shards q/k/v apart), or with sequence parallel 4 all-gathers + 4 reduce-scatters of E (2/3 of those bytes) plus the
+    LayerNorm gradients, which stay Partial and are all-reduced at each of AdamW's 3 reads; vocabulary-parallel: the
+    embedding's all-reduce, the head input's gradient, loss_parallel's 3 bs reductions; pp: activations forward and gradients backward, E per stage
     boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
   bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, 0 for zero-bubble (weight passes fill it)"""
 
