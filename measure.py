@@ -3,6 +3,7 @@
 Used by tests/plan_worker.py (the planner's tests), benchmarks/strategy_report.py (predicted vs
 measured per layout), benchmarks/bytes_per_strategy.py and benchmarks/pp_bubble.py.
 
+- `held_bytes`: parameters, gradients and optimizer state read from the rank's own tensors.
 - `SavedBytes`: the bytes autograd saves for backward (torch.autograd.graph.saved_tensors_hooks),
   each storage once, parameters excluded, a DTensor by its local shard.
 - `CollectiveCounter`: every collective this process issues, with its payload bytes, counted at the
@@ -30,6 +31,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallel.strategy import resident_bytes
+
 
 class SavedBytes:
     """Counts the storages autograd saves for backward, each once. Holding a reference to every
@@ -52,6 +55,15 @@ class SavedBytes:
     @property
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.storages.values())
+
+
+def held_bytes(strategy, optimizer) -> dict[str, int]:
+    """Parameters, gradients and optimizer state this rank holds, read from its own local tensors
+    (parallel.strategy.resident_bytes). A pipeline's stage modules are read rather than its
+    GPT-shaped state view, whose tied head on a V-shape rank is an alias of the embedding: the
+    last stage's copy is a tensor of its own, with its own gradient (parallel/pp.py)."""
+    parts = getattr(strategy.runner, "stage_modules", None) or strategy.unwrapped()
+    return resident_bytes(parts, optimizer)
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -116,16 +128,18 @@ class Call:
 
 
 def _group_ranks(args) -> tuple[int, ...]:
+    """Global ranks (sorted) of the group a collective's arguments name: a c10d op gets the
+    ProcessGroup as a TorchScript object, a functional collective its name."""
     for a in args:
-        if isinstance(a, dist.ProcessGroup):
-            return tuple(dist.get_process_group_ranks(a))
+        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("c10d.ProcessGroup"):
+            return tuple(sorted(dist.get_process_group_ranks(dist.ProcessGroup.unbox(a))))
         if isinstance(a, str):  # a functional collective's group name
             try:
                 pg = dist.distributed_c10d._resolve_process_group(a)
             except (ValueError, RuntimeError, KeyError):
                 continue
-            return tuple(dist.get_process_group_ranks(pg))
-    return tuple(range(dist.get_world_size()))
+            return tuple(sorted(dist.get_process_group_ranks(pg)))
+    raise ValueError(f"no process group among the arguments of a collective: {[type(a) for a in args]}")
 
 
 class CollectiveCounter(TorchDispatchMode):

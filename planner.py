@@ -509,7 +509,9 @@ def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
     for r, held in enumerate(per_rank_held):
         notes = []
         params = sum(dp_elems(t, shard_params) for t, _ in held) * PARAM_BYTES
-        grads = sum(dp_elems(t, shard_grads) for t, _ in held) * PARAM_BYTES
+        # a V-shape rank's second tied copy (not in the optimizer) drops its gradient once it is
+        # added to the first's (parallel/pp.py sync_tied_grads)
+        grads = sum(dp_elems(t, shard_grads) for t, owned in held if owned) * PARAM_BYTES
         optim = sum(dp_elems(t, shard_optim) for t, owned in held if owned) * ADAM_STATE_BYTES
         # activations: this rank's stages, each with its micro-batches in flight
         stages = sorted(inflight[r])

@@ -10,7 +10,7 @@ pipeline parallelism with each schedule, and the 2-D meshes that fit N. Per layo
 warm-up step:
 
 - one step measured: parameters, gradients and Adam state read from the strategy's own tensors
-  (Strategy.resident_bytes) after its backward; the bytes saved for backward per micro-batch
+  (measure.held_bytes) after its backward; the bytes saved for backward per micro-batch
   (measure.SavedBytes); every collective the strategy issued with its payload bytes, counted at the
   dispatcher (measure.CollectiveCounter: the c10d ops that DDP's C++ reducer, FSDP2, the project's
   ZeRO and the pipeline issue, and the functional collectives of DTensor);
@@ -47,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import planner  # noqa: E402
 from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
-from measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes  # noqa: E402
+from measure import CollectiveCounter, SavedBytes, StageClock, add_timer, held_bytes, loopback_tx_bytes  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
@@ -86,6 +86,7 @@ def layouts(n: int) -> dict[str, str]:
     if n % 2 == 0 and n > 2:
         h = n // 2
         out.update({
+            f"hsdp dp2x{h}": "parallel.strategy=fsdp parallel.dp_replicate=2",
             f"fsdp dp{h} x tp2": "parallel.strategy=fsdp parallel.tp=2",
             f"ddp dp{h} x pp2 1f1b": "parallel.strategy=ddp parallel.pp=2 parallel.microbatches=4",
             f"tp2 x pp{h} 1f1b":
@@ -107,12 +108,13 @@ def _groups(strategy) -> dict[tuple[int, ...], str]:
 
     out = {}
     lay = strategy.layout
-    for dim in ("pp", "dp", "tp"):
-        if getattr(lay, dim) > 1:
-            out[tuple(dist.get_process_group_ranks(strategy.mesh[dim].get_group()))] = dim
+    for dim in ("pp", "dp", "tp", "dp_replicate", "dp_shard"):  # the last two: HSDP's sub-groups of dp
+        if getattr(lay, dim) > 1 and dim in strategy.mesh.mesh_dim_names + ("dp",):
+            ranks = tuple(sorted(dist.get_process_group_ranks(strategy.mesh[dim].get_group())))
+            out[ranks] = "dp" if dim.startswith("dp") else dim
     tied = getattr(strategy.runner, "tied_group", None)
     if tied is not None:
-        out.setdefault(tuple(dist.get_process_group_ranks(tied)), "tied")
+        out.setdefault(tuple(sorted(dist.get_process_group_ranks(tied))), "tied")
     return out
 
 
@@ -159,7 +161,7 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
     with counter:
         with saved.hooks():
             trainer.forward_backward()
-        memory = s.resident_bytes(trainer.optimizer)
+        memory = held_bytes(s, trainer.optimizer)
         trainer.optimizer_step()
     s.clip_grad_norm_ = clip
     groups = _groups(s)

@@ -40,6 +40,7 @@ def main() -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))
     x = torch.ones(ELEMS)
+    solo = dist.new_group([0])  # a sub-group: the counter must name its ranks, not the world's
     with CollectiveCounter() as counter:
         dist.all_reduce(x.clone())
         reduce_scatter(torch.empty(ELEMS // n), x.clone(), None)  # the project's: an all-to-all on gloo
@@ -50,6 +51,8 @@ def main() -> None:
             dist.send(x[:1000].clone(), 1)
         elif rank == 1:
             dist.recv(torch.empty(1000), 0)
+        if rank == 0:
+            dist.all_reduce(x[:10].clone(), group=solo)
         # DTensor: Shard(0) -> Replicate is one all-gather of the whole tensor, issued by DTensor
         DTensor.from_local(x[: ELEMS // n].clone(), mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local()
     bytes_on_lo = {"all-reduce": wire(lambda: dist.all_reduce(x.clone())),

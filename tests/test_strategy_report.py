@@ -3,10 +3,10 @@
 - measure.CollectiveCounter against collectives of known size, one 2-process launch
   (tests/count_worker.py): each kind counted once with its exact payload (the c10d ops, the
   project's gloo reduce-scatter as an all-to-all, a functional collective, a DTensor
-  redistribution, a send), and the loopback bytes of an all-reduce and an all-gather of K bytes
+  redistribution, a send, a sub-group's ranks), and the loopback bytes of an all-reduce and an all-gather of K bytes
   within 2% above a ring's volume (TCP/IP headers: about 0.1% at loopback's 64 KiB packets; the
   barriers around them: a few hundred bytes);
-- the report end to end at N=2 on the tiny model with three layouts (fsdp, tp, pp): report.json
+- the report end to end at N=2 on the tiny model with four layouts (fsdp, tp, pp 1f1b and ZB-V): report.json
   says predicted and measured agree within the bars (memory 5%, bytes moved 2%) in every category,
   report.md and the three plots are written.
 """
@@ -34,6 +34,7 @@ def test_counter_against_collectives_of_known_size(tmp_path):
         ("all-gather", "c10d._allgather_base_", 2, K),
         ("all-reduce", "_c10d_functional.all_reduce", 2, K),
         ("send", "c10d.send", 2, 4000),
+        ("all-reduce", "c10d.allreduce_", 1, 40),  # on a sub-group of rank 0 alone
         ("all-gather", "_c10d_functional.all_gather_into_tensor", 2, K),  # DTensor Shard(0) -> Replicate
     ]
     # all ranks together: n x the ring volume per rank
@@ -47,10 +48,10 @@ def test_report_end_to_end_two_processes(tmp_path):
     model = [a for a in TINY if not a.startswith(("data.path", "trainer.eval", "trainer.log", "trainer.save",
                                                   "trainer.sample", "wandb", "optimizer"))]
     r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(out), "--steps", "1",
-                "--layouts", "fsdp dp2,tp2,pp2 1f1b", *model], timeout=240)
+                "--layouts", "fsdp dp2,tp2,pp2 1f1b,pp2 zero-bubble V", *model, "trainer.micro_batch_size=0"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert [lay["name"] for lay in report["layouts"]] == ["fsdp dp2", "tp2", "pp2 1f1b"]
+    assert [lay["name"] for lay in report["layouts"]] == ["fsdp dp2", "tp2", "pp2 1f1b", "pp2 zero-bubble V"]
     for lay in report["layouts"]:
         for c in lay["memory"]:
             assert c["measured"] == pytest.approx(c["predicted"], rel=0.05), (lay["name"], c)
