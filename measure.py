@@ -59,11 +59,14 @@ class SavedBytes:
 
 def held_bytes(strategy, optimizer) -> dict[str, int]:
     """Parameters, gradients and optimizer state this rank holds, read from its own local tensors
-    (parallel.strategy.resident_bytes). A pipeline's stage modules are read rather than its
-    GPT-shaped state view, whose tied head on a V-shape rank is an alias of the embedding: the
-    last stage's copy is a tensor of its own, with its own gradient (parallel/pp.py)."""
-    parts = getattr(strategy.runner, "stage_modules", None) or strategy.unwrapped()
-    return resident_bytes(parts, optimizer)
+    (Strategy.resident_bytes, which ZeRO-1/2 extend with their gradient slices). A pipeline's
+    stage modules are read rather than its GPT-shaped state view, whose tied head on a V-shape
+    rank is an alias of the embedding: the last stage's copy is a tensor of its own
+    (parallel/pp.py); ZeRO-1/2 do not compose with pp."""
+    stages = getattr(strategy.runner, "stage_modules", None)
+    if stages is None:
+        return strategy.resident_bytes(optimizer)
+    return resident_bytes(stages, optimizer)
 
 
 # ----------------------------------------------------------------------------- collectives

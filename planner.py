@@ -557,7 +557,7 @@ def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
             if lay.microbatches > 1:
                 buffers += local_elems * PARAM_BYTES
                 notes.append("FSDP2 keeps unsharded gradients across the accumulated micro-batches")
-            notes.append("FSDP2: root (embeddings, head) stays gathered; "
+            notes.append("FSDP2: root (embeddings, head) gathered at the loss and the first backward; "
                          + ("every block of the stage may be gathered at once" if whole
                             else "two blocks gathered at a time"))
         if lay.strategy == "fsdp" and p.cpu_offload and n > 1:
@@ -809,7 +809,7 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
     input E, log-softmax output 4bsV (fp32; /t with vocab-parallel loss), targets.
   transient: logits + their fp32 gradient at the loss (bsV (e + 4)), or one recomputed block with checkpointing
   buffers: zero-1/2: the largest bucket (bucket_cap_mb) (zero-2: twice) + its slice; fsdp/zero-3: root parameters
-    stay gathered, 2 blocks gathered (a stage's blocks with reshard_after_forward=false or under pp, whose stages keep
+    gathered (at the peak: the loss, the first backward), 2 blocks gathered (a stage's blocks with reshard_after_forward=false or under pp, whose stages keep
     them gathered between backwards) + 2 blocks of unsharded gradients; with gradient accumulation FSDP2 keeps the
     whole unsharded gradient (4a) between micro-batches; ddp: +4a of buckets when gradient_as_bucket_view=false
   moved: tp: 6 all-reduces of E per block per micro-batch (out_proj, proj outputs; q, k, v, fc input gradients, as parallel/tp.py

@@ -334,7 +334,13 @@ def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, ste
                    f"{mb(r.moved_total_measured)} / {mb(r.wire_bytes_per_step)} | "
                    + (f"{wire:.3f}" if wire else "-") + " |")
     out += ["", "Cells: predicted / measured (measured / predicted).", "",
-            "## Time (2 cores shared by all processes: compare layouts, not machines)", "",
+            "## Time", "",
+            "Step time is the mean over the timed steps (barrier to barrier, rank 0), tokens/s the global batch's "
+            "tokens over it. The bubble is 1 - a rank's compute time (its stages' forward, backward and weight "
+            "chunks and the loss) / the schedule step's time, averaged over ranks; prediction (p-1)/(v m+p-1) "
+            "assumes one core per rank and free communication. With more processes than cores a rank waiting for "
+            "a peer also waits for a core, so the measured bubble here is the schedule's plus the oversubscription's; "
+            "benchmarks/pp_bubble.py at p=2 (one core per rank) measures the schedule alone.", "",
             "| layout | step ms | tokens/s | bubble predicted | bubble measured |", "|---|---|---|---|---|"]
     for r in reps:
         bp = f"{r.bubble_predicted:.2f}" if r.bubble_predicted is not None else "-"
