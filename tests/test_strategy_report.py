@@ -6,7 +6,8 @@
   redistribution, a send, a sub-group's ranks), and the loopback bytes of an all-reduce and an all-gather of K bytes
   within 2% above a ring's volume (TCP/IP headers: about 0.1% at loopback's 64 KiB packets; the
   barriers around them: a few hundred bytes);
-- the report end to end at N=2 on the tiny model with four layouts (fsdp, tp, pp 1f1b and ZB-V): report.json
+- the report end to end at N=2 on the tiny model with five layouts (fsdp, tp, tp + sp + vocab, pp 1f1b,
+  ZB-V): report.json
   says predicted and measured agree within the bars (memory 5%, bytes moved 2%) in every category,
   report.md and the three plots are written.
 """
@@ -48,10 +49,11 @@ def test_report_end_to_end_two_processes(tmp_path):
     model = [a for a in TINY if not a.startswith(("data.path", "trainer.eval", "trainer.log", "trainer.save",
                                                   "trainer.sample", "wandb", "optimizer"))]
     r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(out), "--steps", "1",
-                "--layouts", "fsdp dp2,tp2,pp2 1f1b,pp2 zero-bubble V", *model, "trainer.micro_batch_size=0"], timeout=240)
+                "--layouts", "fsdp dp2,tp2,tp2 +sp +vocab,pp2 1f1b,pp2 zero-bubble V", *model, "trainer.micro_batch_size=0"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert [lay["name"] for lay in report["layouts"]] == ["fsdp dp2", "tp2", "pp2 1f1b", "pp2 zero-bubble V"]
+    assert [lay["name"] for lay in report["layouts"]] == ["fsdp dp2", "tp2", "tp2 +sp +vocab", "pp2 1f1b",
+                                                          "pp2 zero-bubble V"]
     for lay in report["layouts"]:
         for c in lay["memory"]:
             assert c["measured"] == pytest.approx(c["predicted"], rel=0.05), (lay["name"], c)
@@ -61,8 +63,8 @@ def test_report_end_to_end_two_processes(tmp_path):
             assert c["measured"] == pytest.approx(c["predicted"], rel=0.02), (lay["name"], c)
         assert lay["ok"] and lay["wire_bytes_per_step"] > 0 and lay["tokens_per_s"] > 0
     assert {"tp"} <= {c["what"] for c in report["layouts"][1]["moved"]}
-    assert {"send-recv", "all-reduce"} <= {c["what"] for c in report["layouts"][2]["moved"]}
-    assert report["layouts"][2]["bubble_measured"] is not None
+    assert {"send-recv", "all-reduce"} <= {c["what"] for c in report["layouts"][3]["moved"]}
+    assert report["layouts"][3]["bubble_measured"] is not None
     text = (out / "report.md").read_text()
     assert "| fsdp dp2 |" in text and "![memory](memory.png)" in text
     for png in ("memory.png", "bytes.png", "time.png"):
