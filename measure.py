@@ -31,8 +31,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel.strategy import resident_bytes
-
 
 class SavedBytes:
     """Counts the storages autograd saves for backward, each once. Holding a reference to every
@@ -59,14 +57,9 @@ class SavedBytes:
 
 def held_bytes(strategy, optimizer) -> dict[str, int]:
     """Parameters, gradients and optimizer state this rank holds, read from its own local tensors
-    (Strategy.resident_bytes, which ZeRO-1/2 extend with their gradient slices). A pipeline's
-    stage modules are read rather than its GPT-shaped state view, whose tied head on a V-shape
-    rank is an alias of the embedding: the last stage's copy is a tensor of its own
-    (parallel/pp.py); ZeRO-1/2 do not compose with pp."""
-    stages = getattr(strategy.runner, "stage_modules", None)
-    if stages is None:
-        return strategy.resident_bytes(optimizer)
-    return resident_bytes(stages, optimizer)
+    (Strategy.resident_bytes: the modules the rank really holds, a pipeline's stage modules
+    included; ZeRO-1/2 add their gradient slices)."""
+    return strategy.resident_bytes(optimizer)
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -279,6 +279,11 @@ class Pipeline(StepRunner):
             params = [p for p in params if p is not tied]
         return params
 
+    def held_modules(self) -> list[nn.Module]:
+        """The stage modules, not the state view: on a V-shape rank the view's tied head is an
+        alias of the embedding, while the last stage holds a copy of its own."""
+        return self.stage_modules
+
     def sum_over_stages(self, value: torch.Tensor) -> None:
         dist.all_reduce(value, group=self.pp_group)
 

@@ -81,6 +81,10 @@ class StepRunner:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def held_modules(self) -> list[nn.Module]:
+        """The modules whose tensors this rank holds in memory (Strategy.resident_bytes)."""
+        return self.parts
+
     def norm_parameters(self) -> list[nn.Parameter]:
         """Parameters whose gradients this rank counts in the global gradient norm."""
         return list({id(p): p for part in self.parts for p in part.parameters()}.values())

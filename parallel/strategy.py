@@ -213,7 +213,7 @@ class Strategy:
         return self.runner.full_model_state_dict(self.env.rank)
 
     def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        return resident_bytes(self.unwrapped(), optimizer)
+        return resident_bytes(self.runner.held_modules(), optimizer)
 
 
 def decay_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
