@@ -649,12 +649,11 @@ def _collectives(g: GPTConfig, lay: PlannedLayout, held: list[tuple[ParamSpec, b
             what = "all-gather + reduce-scatter of (b, s, h) around attention and MLP, forward and backward"
         # loss_parallel: the max, the sum of exponentials and the target logit over the vocabulary
         small = 3 * b * s * 4 if vocab and last else 0
-        # sequence parallel: LayerNorm gradients stay Partial DTensors (each rank saw T / tp
-        # positions) and are all-reduced where they are used, not once: in the optimizer step
-        # AdamW (single-tensor) reads each gradient 3 times (lerp_, and addcmul_ with grad twice)
-        # (measured: benchmarks/strategy_report.py; the norm's read is not counted here)
+        # sequence parallel: LayerNorm gradients come out of backward as Partial DTensors (each
+        # rank saw T / tp positions); Strategy.forward_backward all-reduces them once
+        # (parallel/dtensor.py settle_partial_grads)
         norms = sum(numel(local(t)) for t, _ in held if t.name.split(".")[-2] in ("ln_1", "ln_2", "ln_f"))
-        ln_grads = 3 * norms * PARAM_BYTES if lay.sequence_parallel else 0
+        ln_grads = norms * PARAM_BYTES if lay.sequence_parallel else 0
         payload = ((ar + ag_rs) * act + small) * m + ln_grads
         moved = round((((2 * ar + ag_rs) * act + 2 * small) * m + 2 * ln_grads) * (tp - 1) / tp)
         out.append(Collective("tp", "tp", what, payload, moved,
@@ -814,7 +813,7 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
     whole unsharded gradient (4a) between micro-batches; ddp: +4a of buckets when gradient_as_bucket_view=false
   moved: tp: 6 all-reduces of E per block per micro-batch (out_proj, proj outputs; q, k, v, fc input gradients, as parallel/tp.py
     shards q/k/v apart), or with sequence parallel 4 all-gathers + 4 reduce-scatters of E (2/3 of those bytes) plus the
-    LayerNorm gradients, which stay Partial and are all-reduced at each of AdamW's 3 reads; vocabulary-parallel: the
+    LayerNorm gradients, Partial after backward and all-reduced once; vocabulary-parallel: the
     embedding's all-reduce, the head input's gradient, loss_parallel's 3 bs reductions; pp: activations forward and gradients backward, E per stage
     boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
   bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, 0 for zero-bubble (weight passes fill it)"""

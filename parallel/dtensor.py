@@ -44,3 +44,14 @@ def grad_like_param(p: nn.Parameter) -> torch.Tensor:
     if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
         p.grad = g = g.redistribute(p.device_mesh, p.placements)
     return g
+
+
+def settle_partial_grads(modules: list[nn.Module]) -> None:
+    """Collective (tp). Every gradient left Partial, reduced once to its parameter's placement:
+    under sequence parallelism a LayerNorm weight's gradient is a Partial sum (each tp rank saw
+    T / tp positions), and left so, every later read of it (the gradient norm, AdamW's three)
+    would all-reduce it again (measured by benchmarks/strategy_report.py)."""
+    for p in {id(p): p for m in modules for p in m.parameters()}.values():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            grad_like_param(p)

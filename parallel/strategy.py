@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from config import Config
 from model import GPT
-from parallel.dtensor import full_tensor, local_tensor, same_layout_groups
+from parallel.dtensor import full_tensor, local_tensor, same_layout_groups, settle_partial_grads
 from parallel.env import DistEnv
 from parallel.layout import Layout, describe
 from parallel.parallelize import parallelize
@@ -142,7 +142,9 @@ class Strategy:
                          scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda l: l) -> torch.Tensor:
         """Forward + backward over this rank's share (B/dp, T); gradients end up averaged over the
         global batch. Returns this rank's mean loss (detached)."""
-        return self.runner.forward_backward(x, y, scale_loss)
+        loss = self.runner.forward_backward(x, y, scale_loss)
+        settle_partial_grads(self.unwrapped())
+        return loss
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss of this rank's share of one validation batch (no gradients)."""
