@@ -91,6 +91,11 @@ class FSDPStrategy(Strategy):
                       mp_policy=self.mp_policy(), offload_policy=self.offload_policy())
         for block in module.blocks.values():
             fully_shard(block, **kwargs)
+        # The root gets the same reshard_after_forward, so it is gathered again in backward like
+        # every block: exactly ZeRO-3's 3K(n-1)/n. torch's default for a root (None) keeps it
+        # gathered instead, which would save one all-gather of the embeddings and head per
+        # micro-batch (their parameters are the last of forward and the first of backward); the
+        # planner and docs/layouts.md state the volume this code moves.
         fully_shard(module, **kwargs)
         if self.env.backend == "gloo":  # gloo's own reduce-scatter moves all-reduce volume
             for m in [*module.blocks.values(), module]:
