@@ -9,6 +9,7 @@ together, between two barriers).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -63,6 +64,12 @@ def main() -> None:
         Path(sys.argv[1], "counted.json").write_text(json.dumps({"calls": calls, "lo": bytes_on_lo, "n": n}))
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without interpreter finalization: once in CI a rank aborted there ("terminate called
+    # without an active exception", SIGABRT) after this point; gloo's worker threads can still hold
+    # work objects of the asynchronous collectives above while Python tears down (the failure
+    # pytorch#179291 describes). Everything this worker measures is written by now.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
