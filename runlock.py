@@ -12,12 +12,20 @@ created the folder and was refused removes it again (file and folder) so it leav
 launch that opened the file just before that removal would then lock a deleted file, so after
 `flock` succeeds the lock is checked to still be the file at the path (same inode); if not, the
 launch starts over.
+
+A torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) waits up to RESTART_LOCK_WAIT_S for the lock
+instead of refusing at once: on one machine the failed attempt's lock is gone when its process
+dies, but on a network filesystem the lock of a lost node's process lives until the server's lease
+expires (NFSv4: 90 s by default), and refusing would spend the job's --max-restarts on it. A first
+launch never waits: a folder in use is another job's.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,6 +33,12 @@ import torch.distributed as dist
 from config import UsageError
 
 LOCK_FILE = "launch.lock"
+RESTART_LOCK_WAIT_S = 150.0  # above NFSv4's default 90 s lease (module doc)
+
+
+def restart_lock_wait() -> float:
+    """Seconds this launch may wait for the lock: RESTART_LOCK_WAIT_S in a torchrun restart, else 0."""
+    return RESTART_LOCK_WAIT_S if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 else 0.0
 
 
 class RunLock:
@@ -34,9 +48,9 @@ class RunLock:
         self._fd: int | None = None
         self._created: list[Path] = []  # folders this launch made, deepest first
 
-    def acquire(self, attempt: int = 1) -> None:
+    def acquire(self, attempt: int = 1, wait_s: float = 0.0) -> None:
         """Create the run folder if needed and lock it; a UsageError when that is impossible or
-        another launch holds the lock."""
+        another launch holds the lock (after waiting up to `wait_s` for it)."""
         run_dir = self.run_dir
         try:
             if run_dir.is_file():
@@ -60,13 +74,13 @@ class RunLock:
             raise UsageError(f"cannot create or write trainer.run_dir '{run_dir}' ({e.strerror or e}"
                              f"{where}); point it at a folder this user can create and write") from None
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._flock(wait_s)
             if not self._locks_the_current_file():
                 # a refused launch that created the folder removed it (and this file) meanwhile
                 os.close(self._fd)
                 self._fd = None
                 if attempt < 3:
-                    return self.acquire(attempt + 1)
+                    return self.acquire(attempt + 1, wait_s)
                 raise BlockingIOError
         except BlockingIOError:
             self.release()
@@ -77,6 +91,25 @@ class RunLock:
             self.release()
             raise UsageError(f"cannot lock {self.path} ({e.strerror or e}); point trainer.run_dir at a "
                              f"folder on a filesystem with file locks (Lustre: mount with -o flock)") from None
+
+    def _flock(self, wait_s: float) -> None:
+        """flock without blocking; while another process holds it, retry once a second for up to
+        `wait_s` (saying so once), then raise BlockingIOError."""
+        deadline = time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not said:
+                    print(f"waiting up to {wait_s:.0f} s for the lock on {self.path}: this restart's previous "
+                          f"attempt may still hold it (a lost node's lock lasts until the file server's "
+                          f"lease expires)", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(1.0)
 
     def _locks_the_current_file(self) -> bool:
         try:
@@ -102,13 +135,14 @@ class RunLock:
 
 
 def lock_run_dir(run_dir: Path, rank: int, distributed: bool) -> RunLock:
-    """Collective: global rank 0 takes the run folder's lock; every rank raises the same UsageError
-    when it cannot. Returns the lock (held on rank 0); release() it at the end of the launch."""
+    """Collective: global rank 0 takes the run folder's lock (a torchrun restart waits for it,
+    restart_lock_wait); every rank raises the same UsageError when it cannot. Returns the lock
+    (held on rank 0); release() it at the end of the launch."""
     lock = RunLock(run_dir)
     error = None
     if rank == 0:
         try:
-            lock.acquire()
+            lock.acquire(wait_s=restart_lock_wait())
         except UsageError as e:
             error = str(e)
     if distributed:

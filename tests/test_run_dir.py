@@ -25,6 +25,7 @@ import pytest
 # (and can no longer read the Python installation) has them already
 import main as app
 import runlock
+from config import UsageError
 from harness import REPO, TINY, child_env, torchrun
 
 RUN = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "trainer.save_every=2"]
@@ -95,6 +96,47 @@ def test_second_launch_is_refused_and_the_lock_dies_with_its_process(tmp_path, c
     capsys.readouterr()
     assert app.main(RUN + [f"trainer.max_steps={newest + 2}", f"trainer.run_dir={run}"]) == 0
     assert f"at step {newest}" in capsys.readouterr().out
+
+
+def hold_lock(path: Path, seconds: float) -> subprocess.Popen:
+    """Another process holding the flock on `path` for `seconds` (a lost node's lock on a network
+    filesystem, which lives until the server's lease expires), started and holding on return."""
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(float(sys.argv[2]))")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_torchrun_restart_waits_for_a_lock_that_outlives_its_holder(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = hold_lock(run / runlock.LOCK_FILE, 4)
+    try:
+        # a first launch never waits: a folder in use is another job's
+        t0 = time.monotonic()
+        assert app.main(RUN + ["trainer.max_steps=1", f"trainer.run_dir={run}"]) == 2
+        assert "is in use by another launch" in one_error_line(capsys.readouterr().err)
+        assert time.monotonic() - t0 < 3
+        # a restart (what torchrun sets for a restarted worker) waits, says so once, then trains
+        r = subprocess.run([sys.executable, "main.py", *RUN, "trainer.max_steps=1", f"trainer.run_dir={run}"],
+                           cwd=REPO, env=child_env(TORCHELASTIC_RESTART_COUNT=1), capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stderr.count("waiting up to 150 s for the lock") == 1, r.stderr[-3000:]
+        assert (run / "snapshots" / "step_0000001").is_dir() and holder.wait(timeout=10) == 0
+    finally:
+        holder.kill()
+    # a lock still held when the wait ends: refused with the usual line
+    holder = hold_lock(run / runlock.LOCK_FILE, 30)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UsageError, match="is in use by another launch"):
+            runlock.RunLock(run).acquire(wait_s=1.5)
+        assert time.monotonic() - t0 >= 1.5
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
 
 
 # ----------------------------------------------------------------------------- item 7: refusals
