@@ -21,6 +21,9 @@ measured per layout), benchmarks/bytes_per_strategy.py and benchmarks/pp_bubble.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,3 +202,16 @@ class StageClock:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 add_timer(stage, name, self.busy)
         add_timer(pipe.schedule, "_loss_fn", self.busy)
+
+
+def run_under_torchrun(script: str, nproc: int, args: list[str], timeout_s: int) -> int:
+    """Run `script` (a benchmark) under torchrun on this machine (CPU, gloo), `nproc` processes,
+    holding the machine-wide multi-process lock the tests take (tests/harness.py), so no other
+    launch shares the cores or the loopback interface; returns torchrun's exit code."""
+    repo = Path(__file__).resolve().parent
+    lock = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    env.setdefault("TIKTOKEN_CACHE_DIR", str(repo.parent / "shared" / "data" / "tiktoken"))  # offline GPT-2 BPE
+    cmd = ["flock", lock, "timeout", str(timeout_s), sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", script, *args]
+    return subprocess.run(cmd, env=env, cwd=repo).returncode

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,11 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
 STEPS = 5
 
 from config import UsageError, reject_dashed_overrides  # noqa: E402
-from measure import loopback_tx_bytes  # noqa: E402
+from measure import loopback_tx_bytes, run_under_torchrun  # noqa: E402
 
 # name -> (overrides, theory as text, theory(K, n): total bytes over the ranks per step)
 STRATEGIES = {
@@ -103,11 +101,7 @@ def main() -> None:
         ap.exit(2, f"error: {e}\n")
     args = ap.parse_args()
     loopback_tx_bytes()  # fail early without /proc/net/dev
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "data" / "tiktoken"))
-    cmd = ["flock", LOCK, "timeout", "600", sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", __file__, *args.overrides]
-    sys.exit(subprocess.run(cmd, env=env, cwd=REPO).returncode)
+    sys.exit(run_under_torchrun(__file__, args.nproc, args.overrides, timeout_s=600))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,9 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
 
 from config import UsageError, reject_dashed_overrides  # noqa: E402
+from measure import run_under_torchrun  # noqa: E402
 
 # name -> (overrides, what is sharded, formula as text, formula(a, n) in bytes)
 STRATEGIES = {
@@ -125,11 +124,7 @@ def main() -> None:
     except UsageError as e:
         ap.exit(2, f"error: {e}\n")
     args = ap.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "data" / "tiktoken"))  # offline GPT-2 BPE
-    cmd = ["flock", LOCK, "timeout", "300", sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", __file__, *args.overrides]
-    sys.exit(subprocess.run(cmd, env=env, cwd=REPO).returncode)
+    sys.exit(run_under_torchrun(__file__, args.nproc, args.overrides, timeout_s=300))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ results combine across stages, and the whole model's weights.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from typing import Callable
 
 import torch
@@ -60,7 +61,7 @@ def gradient_sync(module: nn.Module, sync: bool):
     return contextlib.nullcontext()
 
 
-class StepRunner:
+class StepRunner(ABC):
     """One optimizer step's forward/backward on this rank, and what depends on how the model is
     split over pipeline stages."""
 
@@ -74,12 +75,13 @@ class StepRunner:
         # optimizer groups, clipping, gradients and DCP state see these.
         self.parts = parts
 
+    @abstractmethod
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, scale_loss: ScaleLoss) -> torch.Tensor:
         """Gradients of the mean loss over this rank's share (B/dp, T); returns that loss."""
-        raise NotImplementedError
 
+    @abstractmethod
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """This rank's mean loss over its share of a validation batch (no gradients)."""
 
     def held_modules(self) -> list[nn.Module]:
         """The modules whose tensors this rank holds in memory (Strategy.resident_bytes)."""
@@ -99,9 +101,9 @@ class StepRunner:
     def after_optimizer_step(self) -> None:
         """Anything the split needs after an update (a pipeline re-syncs a tied weight's copy)."""
 
+    @abstractmethod
     def full_model_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
         """Collective. The whole model's plain CPU tensors on global rank 0 (None elsewhere)."""
-        raise NotImplementedError
 
 
 class MicroBatchLoop(StepRunner):
