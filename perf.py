@@ -47,7 +47,7 @@ _GPU_PEAKS: list[tuple[str, float, float]] = [
 ]
 # NVIDIA's switch that keeps cuBLAS and cuDNN from using TF32 (set_fp32_matmul_mode honours it too).
 TF32_OVERRIDE_ENV = "NVIDIA_TF32_OVERRIDE"
-_MATMUL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision names -> dtypes
 
 _cpu_peak_cache: dict[tuple[int, torch.dtype], float] = {}
 
@@ -157,7 +157,7 @@ def _write_peak_cache(path: Path, key: str, flops: float) -> None:
 def measure_cpu_peak(precision: str, rounds: int = 3, min_seconds: float = 0.1) -> float:
     """Best FLOP/s of `rounds` sweeps over a few matmul sizes, each size run for `min_seconds` (and at
     least 3 times): about a second in all."""
-    dtype = _MATMUL_DTYPES[precision]
+    dtype = DTYPES[precision]
     return max(measure_cpu_matmul_peak(n=n, repeats=3, min_seconds=min_seconds, refresh=True, dtype=dtype)
                for _ in range(rounds) for n in _CPU_SIZES.get(precision, _CPU_SIZES_DEFAULT))
 

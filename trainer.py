@@ -520,13 +520,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ outputs
 
-    def export(self, path: Path) -> dict | None:
-        """Collective. Writes the consolidated model.pt on rank 0 and returns its state dict there."""
-        sd = self.strategy.full_model_state_dict()
-        if self.strategy.env.rank == 0:
-            self.write_model(path, sd)
-        return sd
-
     def write_model(self, path: Path, sd: dict) -> None:
         """model.pt: plain tensors + configs + tokenizer, loadable with torch.load(weights_only=True);
         written to a temporary name and renamed, so a reader never sees half a file."""

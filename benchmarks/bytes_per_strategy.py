@@ -22,8 +22,6 @@ vote) is a few hundred bytes per step. Extra arguments are config overrides.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,8 +31,7 @@ sys.path.insert(0, str(REPO))
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 STEPS = 5
 
-from config import UsageError, reject_dashed_overrides  # noqa: E402
-from measure import loopback_tx_bytes, run_under_torchrun  # noqa: E402
+from measure import benchmark_main, loopback_tx_bytes  # noqa: E402
 
 # name -> (overrides, theory as text, theory(K, n): total bytes over the ranks per step)
 STRATEGIES = {
@@ -89,19 +86,8 @@ def worker(overrides: list[str]) -> None:
 
 
 def main() -> None:
-    if "RANK" in os.environ:
-        worker(sys.argv[1:])
-        return
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (processes) to measure (default: 2)")
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layer=8")
-    try:
-        reject_dashed_overrides(sys.argv[1:])
-    except UsageError as e:
-        ap.exit(2, f"error: {e}\n")
-    args = ap.parse_args()
     loopback_tx_bytes()  # fail early without /proc/net/dev
-    sys.exit(run_under_torchrun(__file__, args.nproc, args.overrides, timeout_s=600))
+    benchmark_main(__doc__, __file__, worker, timeout_s=600)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ ZeroRedundancyOptimizer (DDP + whole-tensor partitioning), which the zero strate
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -22,8 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
-from config import UsageError, reject_dashed_overrides  # noqa: E402
-from measure import run_under_torchrun  # noqa: E402
+from measure import benchmark_main  # noqa: E402
 
 # name -> (overrides, what is sharded, formula as text, formula(a, n) in bytes)
 STRATEGIES = {
@@ -113,18 +110,7 @@ def zero_redundancy_row(cfg, env, vocab_size: int):
 
 
 def main() -> None:
-    if "RANK" in os.environ:
-        worker(sys.argv[1:])
-        return
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (processes) to measure (default: 2)")
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layer=8")
-    try:
-        reject_dashed_overrides(sys.argv[1:])
-    except UsageError as e:
-        ap.exit(2, f"error: {e}\n")
-    args = ap.parse_args()
-    sys.exit(run_under_torchrun(__file__, args.nproc, args.overrides, timeout_s=300))
+    benchmark_main(__doc__, __file__, worker, timeout_s=300)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ pipeline parallelism with each schedule, and the 2-D meshes that fit N. Per layo
 warm-up step:
 
 - one step measured: parameters, gradients and Adam state read from the strategy's own tensors
-  (measure.held_bytes) after its backward; the bytes saved for backward per micro-batch
+  (Strategy.resident_bytes) after its backward; the bytes saved for backward per micro-batch
   (measure.SavedBytes); every collective the strategy issued with its payload bytes, counted at the
   dispatcher (measure.CollectiveCounter: the c10d ops that DDP's C++ reducer, FSDP2, the project's
   ZeRO and the pipeline issue, and the functional collectives of DTensor);
@@ -47,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import planner  # noqa: E402
 from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
-from measure import CollectiveCounter, SavedBytes, StageClock, add_timer, held_bytes, loopback_tx_bytes  # noqa: E402
+from measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
@@ -161,7 +161,7 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
     with counter:
         with saved.hooks():
             trainer.forward_backward()
-        memory = held_bytes(s, trainer.optimizer)
+        memory = s.resident_bytes(trainer.optimizer)
         trainer.optimizer_step()
     s.clip_grad_norm_ = clip
     groups = _groups(s)

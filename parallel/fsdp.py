@@ -37,8 +37,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from parallel.collectives import RingReduceScatter
-from parallel.step import DTYPES
 from parallel.strategy import Strategy
+from perf import DTYPES
 
 
 class FSDPStrategy(Strategy):

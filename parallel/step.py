@@ -30,8 +30,8 @@ from config import Config
 from model import lm_loss
 from parallel.dtensor import local_tensor
 from parallel.zero_shard import ZeroDataParallel
+from perf import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
 
 

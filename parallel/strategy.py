@@ -143,7 +143,8 @@ class Strategy:
         """Forward + backward over this rank's share (B/dp, T); gradients end up averaged over the
         global batch. Returns this rank's mean loss (detached)."""
         loss = self.runner.forward_backward(x, y, scale_loss)
-        settle_partial_grads(self.unwrapped())
+        if self.layout.tp_enabled:  # only tensor parallelism leaves Partial gradients
+            settle_partial_grads(self.unwrapped())
         return loss
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

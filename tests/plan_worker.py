@@ -3,7 +3,7 @@
 `--case NAME "OVERRIDES"` (repeatable, all in ONE launch): build TINY + overrides with main's
 build_trainer, train two steps, and record on every rank
 - the resident bytes of parameters, gradients and optimizer state after the second backward
-  (measure.held_bytes: read from the strategy's own local tensors), and
+  (Strategy.resident_bytes: read from the strategy's own local tensors), and
 - the bytes saved for backward by the second step's forward/backward, counted as unique storages
   (saved_tensors_hooks; parameters excluded, a DTensor by its local shard) and divided by the
   forward/backwards of that step: the bytes one micro-batch saves on this rank (measure.SavedBytes).
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch.distributed as dist  # noqa: E402
 
 from harness import TINY  # noqa: E402
-from measure import SavedBytes, held_bytes  # noqa: E402
+from measure import SavedBytes  # noqa: E402
 
 
 def run_case(overrides: list[str], run_dir: Path) -> dict:
@@ -38,7 +38,7 @@ def run_case(overrides: list[str], run_dir: Path) -> dict:
     saved = SavedBytes()
     with saved.hooks():
         trainer.forward_backward()
-    memory = held_bytes(s, trainer.optimizer)
+    memory = s.resident_bytes(trainer.optimizer)
     trainer.optimizer_step()
     forwards = s.layout.microbatches  # pipeline micro-batches or accumulation steps
     mine = {**memory, "activations_per_microbatch": saved.nbytes // forwards, "forwards": forwards,
