@@ -1,5 +1,9 @@
 """Consolidate a snapshot into a plain model.pt: `python export.py --run-dir runs/<name> [--step N]`.
 
+The newest snapshot goes to `<run-dir>/model.pt`; `--step N` (or a model.pt that holds a later
+step than the snapshot) writes `<run-dir>/model_step_<N>.pt` instead, so an older export never
+replaces the run's final model. `sample.py --model FILE` and `model.init_from=FILE` read either.
+
 `--format hf --out DIR` writes a Hugging Face GPT-2 folder instead (config.json + model.safetensors
 + the tokenizer record, see pretrained.py) that `transformers.GPT2LMHeadModel.from_pretrained(DIR)`
 loads.
@@ -65,32 +69,59 @@ def consolidate(run_dir: Path, step: int | None) -> dict:
     raise UsageError(f"no valid snapshot in {run_dir / 'snapshots'}; every one is damaged")
 
 
+def model_step_path(run_dir: Path, step: int) -> Path:
+    """Where an export of an older step goes: beside model.pt, never over it."""
+    return run_dir / f"model_{step_dir_name(step)}.pt"
+
+
+def _step_of(model_pt: Path) -> int | None:
+    """The step a model.pt holds (None: there is none, or it is not readable)."""
+    try:
+        return int(torch.load(model_pt, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:
+        return None
+
+
+def default_out(run_dir: Path, step: int, step_asked: bool) -> tuple[Path, str]:
+    """(path, note) of a pt export without --out. model.pt is the run's final model: an export
+    writes it only for the newest snapshot and only when model.pt holds no later step; any other
+    step goes to model_step_<N>.pt, and the note says model.pt was left as it is."""
+    final = run_dir / "model.pt"
+    final_step = _step_of(final) if final.exists() else None
+    if not step_asked and (final_step is None or final_step <= step):
+        return final, ""
+    kept = f" ({final}, step {final_step}, is left as it is)" if final_step is not None else ""
+    return model_step_path(run_dir, step), kept
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True, help="the run folder (trainer.run_dir)")
     ap.add_argument("--step", type=int, default=None, help="snapshot step (default: newest valid)")
     ap.add_argument("--format", choices=("pt", "hf"), default="pt",
                     help="pt: model.pt (default); hf: a Hugging Face GPT-2 folder (needs --out)")
-    ap.add_argument("--out", default=None, help="output path (default: <run-dir>/model.pt; a folder with --format hf)")
+    ap.add_argument("--out", default=None, help="output path (default: <run-dir>/model.pt for the newest "
+                    "snapshot, <run-dir>/model_step_<N>.pt for --step N or when model.pt holds a later "
+                    "step; a folder with --format hf)")
     args = ap.parse_args(argv)
     try:
         if args.format == "hf" and not args.out:
             raise UsageError("--format hf writes a folder: name it with --out DIR")
-        payload = consolidate(Path(args.run_dir), args.step)
+        run_dir = Path(args.run_dir)
+        payload = consolidate(run_dir, args.step)
         if args.format == "hf":
             write_hf(payload, Path(args.out))
             print(f"wrote {args.out} (Hugging Face GPT-2) from step {payload['step']}")
             return 0
-        out = Path(args.out) if args.out else Path(args.run_dir) / "model.pt"
+        out, note = (Path(args.out), "") if args.out else default_out(run_dir, payload["step"], args.step is not None)
         tmp = out.with_name(out.name + ".tmp")
         torch.save(payload, tmp)
         tmp.replace(out)
-        print(f"wrote {out} from step {payload['step']}")
+        print(f"wrote {out} from step {payload['step']}{note}")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Generate text from a trained run: `python sample.py --run-dir runs/<name> --prompt "ROMEO:"`.
 
 Reads `<run_dir>/model.pt` (plain tensors + configs + tokenizer, loaded with weights_only=True),
-or with `--snapshot` the newest valid snapshot of the run (any strategy, any world size: DCP
+or another such file with `--model FILE` (e.g. export.py's `model_step_<N>.pt`), or with `--snapshot` the newest valid snapshot of the run (any strategy, any world size: DCP
 reassembles the shards in this one process). Needs no process group and no GPU.
 """
 from __future__ import annotations
@@ -64,7 +64,9 @@ def generate_text(model: GPT, tok, prompt: str, tokens: int, temperature: float 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run-dir", required=True, help="the run folder (trainer.run_dir)")
+    ap.add_argument("--run-dir", default=None, help="the run folder (trainer.run_dir): samples its model.pt")
+    ap.add_argument("--model", default=None, help="a model.pt file to sample from instead, e.g. "
+                    "<run-dir>/model_step_<N>.pt written by export.py --step N")
     ap.add_argument("--prompt", default=None, help='text to continue (default: "\\n", or the '
                     'first token of the vocabulary when it has no newline)')
     ap.add_argument("--tokens", type=int, default=300, help="tokens to generate (default: %(default)s)")
@@ -83,8 +85,14 @@ def main(argv=None) -> int:
                 byte = ord(args.prompt[e.start]) & 0xFF
                 raise UsageError(f"--prompt is not UTF-8 text (byte 0x{byte:02x} at character {e.start + 1}); "
                                  f"pass UTF-8 text, e.g. convert it with iconv -t utf-8") from None
-        run_dir = Path(args.run_dir)
-        if args.snapshot:
+        if (args.run_dir is None) == (args.model is None):
+            raise UsageError("give one of --run-dir DIR (its model.pt, or --snapshot) and --model FILE")
+        if args.snapshot and args.run_dir is None:
+            raise UsageError("--snapshot samples a run's newest snapshot: give --run-dir DIR instead of --model")
+        run_dir = Path(args.run_dir) if args.run_dir else None
+        if args.model:
+            model, tok, _ = load_model_pt(Path(args.model))
+        elif args.snapshot:
             payload = consolidate(run_dir, None)
             model = model_from_state(payload["model"], GPTConfig(**payload["model_config"]))
             tok = tokenizer_from_dict(payload["tokenizer"])

@@ -68,6 +68,13 @@ class Layout:
             raise UsageError(f"parallel.strategy=dp drives all GPUs from ONE process but this launch has "
                              f"{world_size} processes; run `python main.py parallel.strategy=dp` "
                              f"or use parallel.strategy=ddp under torchrun")
+        if p.strategy == "none" and dp > 1:
+            # Each dp rank would train its own copy on its own slice of the batch, never
+            # synchronised: a different model from one process, with nothing to show it.
+            raise UsageError(f"parallel.strategy=none has no data parallelism but this launch has {dp} "
+                             f"data-parallel ranks (world size {world_size} / (tp x pp = {p.tp * p.pp})), "
+                             f"which would train {dp} unsynchronised copies; use parallel.strategy=ddp, "
+                             f"zero or fsdp, or launch tp x pp = {p.tp * p.pp} processes")
         if dp % p.dp_replicate:
             raise UsageError(f"parallel.dp_replicate={p.dp_replicate} does not divide the {dp} data-parallel ranks "
                              f"(world size {world_size} / (tp x pp)); use a divisor of {dp}")

@@ -321,12 +321,18 @@ def test_whole_app_every_strategy(tmp_path):
     # a snapshot written by zero-2 at step 5, resumed by fsdp up to step 10 (the real snapshot path)
     args += ["--app", app_args(tmp_path / "resumed", ZERO + "2 trainer.max_steps=5"),
              "--app", app_args(tmp_path / "resumed", "parallel.strategy=fsdp")]
-    args += ["--app", app_args(tmp_path / "dp-multi", "parallel.strategy=dp")]  # must refuse
+    # must refuse: dp drives GPUs from one process; none would train two unsynchronised copies
+    args += ["--app", app_args(tmp_path / "dp-multi", "parallel.strategy=dp")]
+    args += ["--app", app_args(tmp_path / "none-multi", "parallel.strategy=none")]
     r = torchrun(2, ["tests/app_worker.py", "--out", str(tmp_path), *args])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert json.loads((tmp_path / "exit_codes.json").read_text()) == [0] * (len(APP) + 2) + [2]
+    assert json.loads((tmp_path / "exit_codes.json").read_text()) == [0] * (len(APP) + 2) + [2, 2]
     errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
-    assert len(errors) == 1 and "parallel.strategy=dp drives all GPUs from ONE process" in errors[0], errors
+    assert len(errors) == 2, errors
+    assert "parallel.strategy=dp drives all GPUs from ONE process" in errors[0], errors
+    assert "parallel.strategy=none has no data parallelism but this launch has 2" in errors[1], errors
+    for refused in ("dp-multi", "none-multi"):  # refused before anything was written
+        assert not (tmp_path / refused).exists() or not any((tmp_path / refused).iterdir()), refused
     # zero-1/2/3 and fsdp runs use the collectives this torch recommends: no deprecation warning
     noisy = [l for l in (r.stdout + r.stderr).splitlines() if re.search("deprecat|futurewarning", l, re.I)]
     assert not noisy, noisy[:4]
@@ -385,9 +391,27 @@ def test_bad_config_one_line_exit_2(overrides, message, tmp_path, capsys):
      "parallel.dp_replicate=3 does not divide the 4 data-parallel ranks"),
     (["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.tp=2"], 2,
      "parallel.dp_replicate=2 does not divide the 1 data-parallel ranks"),
+    # `none` with several data-parallel ranks would train unsynchronised copies, each on its own
+    # slice of the batch: a different model from one process. Every way to reach dp > 1 is refused.
+    (["parallel.strategy=none"], 2, "parallel.strategy=none has no data parallelism but this launch has 2"),
+    (["parallel.strategy=none", "parallel.tp=2"], 4,
+     "parallel.strategy=none has no data parallelism but this launch has 2"),
+    (["parallel.strategy=none", "parallel.pp=2", "trainer.batch_size=8"], 8,
+     "parallel.strategy=none has no data parallelism but this launch has 4"),
 ])
 def test_bad_layout(overrides, world, message):
     """World-size checks run in Layout.of, before any process group, model or strategy exists."""
     cfg = load_config(None, TINY + overrides)
     with pytest.raises(UsageError, match=re.escape(message)):
         Layout.of(cfg, world)
+
+
+@pytest.mark.parametrize("overrides, world", [
+    (["parallel.strategy=none"], 1),
+    (["parallel.strategy=none", "parallel.tp=2"], 2),
+    (["parallel.strategy=none", "parallel.pp=2"], 2),
+    (["parallel.strategy=none", "parallel.tp=2", "parallel.pp=2"], 4),
+])
+def test_none_with_one_data_parallel_rank_is_a_layout(overrides, world):
+    """`none` beside tp or pp (dp = 1) is one model split over ranks: legitimate, not refused."""
+    assert Layout.of(load_config(None, TINY + overrides), world).dp == 1

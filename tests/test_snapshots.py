@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,16 +96,43 @@ def test_resume_rules(tmp_path, capsys):
 
 
 def test_export_and_sample_from_snapshot(tmp_path):
+    """An export never replaces a newer model.pt: `--step N` writes model_step_N.pt beside it and
+    says so; sample.py --model and model.init_from take that file; without --step the newest
+    snapshot becomes model.pt, and a model.pt from a later step than any snapshot is kept."""
     run = tmp_path / "run"
     assert train(run, "trainer.max_steps=5", "trainer.save_every=5") == 0
-    reference = model_tensors(run)
-    (run / "model.pt").unlink()
+    at_5 = model_tensors(run)
+    assert train(run, "trainer.max_steps=10", "trainer.save_every=5") == 0
+    final = (run / "model.pt").read_bytes()
     r = python(["export.py", "--run-dir", str(run), "--step", "5"])
     assert r.returncode == 0, r.stderr
-    for k, v in model_tensors(run).items():
-        assert torch.equal(v, reference[k]), k
+    older = run / "model_step_0000005.pt"
+    assert r.stdout == f"wrote {older} from step 5 ({run / 'model.pt'}, step 10, is left as it is)\n", r.stdout
+    assert (run / "model.pt").read_bytes() == final, "an export of step 5 replaced the step-10 model.pt"
+    exported = torch.load(older, weights_only=True)
+    assert exported["step"] == 5 and exported["model"].keys() == at_5.keys()
+    for k, v in exported["model"].items():
+        assert torch.equal(v, at_5[k]), k
+    r = python(["sample.py", "--model", str(older), "--prompt", "ROMEO:", "--tokens", "20"])
+    assert r.returncode == 0 and r.stdout.startswith("ROMEO:"), r.stderr
+    assert train(tmp_path / "tuned", f"model.init_from={older}", "trainer.max_steps=1") == 0
+    # no --step: the newest snapshot (step 10) is model.pt's own step: model.pt is rewritten
+    (run / "model.pt").unlink()
+    r = python(["export.py", "--run-dir", str(run)])
+    assert r.returncode == 0 and r.stdout == f"wrote {run / 'model.pt'} from step 10\n", r.stdout + r.stderr
+    assert (run / "model.pt").read_bytes() != b"" and model_tensors(run).keys() == at_5.keys()
+    # a model.pt newer than every snapshot (the snapshots were pruned) is kept, not overwritten
+    shutil.rmtree(run / "snapshots" / "step_0000010")
+    before = (run / "model.pt").read_bytes()
+    r = python(["export.py", "--run-dir", str(run)])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"wrote {older} from step 5 ({run / 'model.pt'}, step 10, is left as it is)\n", r.stdout
+    assert (run / "model.pt").read_bytes() == before
     r = python(["sample.py", "--run-dir", str(run), "--snapshot", "--prompt", "ROMEO:", "--tokens", "20"])
     assert r.returncode == 0 and r.stdout.startswith("ROMEO:"), r.stderr
+    # sample.py needs one of --run-dir and --model
+    r = python(["sample.py", "--prompt", "x"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--run-dir" in r.stderr and "--model" in r.stderr, r.stderr
 
 
 # ----------------------------------------------------------------------------- elastic restarts
