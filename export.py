@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from config import UsageError
-from dcp_reader import UnsafeSnapshot
 from model import GPT, GPTConfig
-from pretrained import write_hf
-from snapshot import (
+from snapshots.pretrained import write_hf
+from snapshots.reader import UnsafeSnapshot
+from snapshots.store import (
     SnapshotMeta,
     list_snapshots,
     load_tensors,

@@ -27,7 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
-from stopping import (
+from launch.stopping import (
     STOP_SIGNALS,
     Interrupted,
     die_by,
@@ -65,14 +65,14 @@ from config import (
     reject_dashed_overrides,
     token_corpus_kind,
 )
+from corpus.token_files import corpus_tokenizer, open_token_corpus
+from launch.runlock import lock_run_dir
 from model import GPT, GPTConfig
 from parallel import build_strategy
 from parallel.env import init_distributed, shutdown
-from pretrained import check_shape, check_tokenizer, load_initial, open_source
-from runlock import lock_run_dir
 from sample import default_prompt, generate_text, model_from_state
-from snapshot import list_snapshots
-from token_files import corpus_tokenizer, open_token_corpus
+from snapshots.pretrained import check_shape, check_tokenizer, load_initial, open_source
+from snapshots.store import list_snapshots
 from trainer import NonFiniteError, Trainer, seed_rng
 
 HERE = Path(__file__).resolve().parent
@@ -112,7 +112,7 @@ def parse_args(argv):
 def print_plan(args, cfg) -> int:
     """--plan: predictions for every layout on --world-size ranks (planner.py); no process group."""
     from config import UsageError
-    from planner import parse_bytes, plan, render
+    from costs.planner import parse_bytes, plan, render
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from char_dataset import CharTokenizer, GPT2Tokenizer
 from config import SIDECAR, UsageError
-from token_files import (
+from corpus.token_files import (
     FORMAT,
     GPT2_VOCAB,
     VERSION,

@@ -29,13 +29,13 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from char_dataset import Batching, TokenDataset
 from config import Config, UsageError
+from observe.perf import Peak, set_fp32_matmul_mode
+from observe.tracker import NullTracker, Progress, RunTracker
 from parallel import Strategy
 from parallel.dtensor import local_tensor
 from parallel.env import control_group
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS
-from perf import Peak, set_fp32_matmul_mode
-from snapshot import SnapshotManager, SnapshotMeta, _fault_point, rng_state, set_rng_state
-from tracking import NullTracker, Progress, RunTracker
+from snapshots.store import SnapshotManager, SnapshotMeta, _fault_point, rng_state, set_rng_state
 
 
 def lr_at(step: int, cfg: Config, max_steps: int) -> float:

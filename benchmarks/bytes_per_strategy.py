@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 STEPS = 5
 
-from measure import benchmark_main, loopback_tx_bytes  # noqa: E402
+from costs.measure import benchmark_main, loopback_tx_bytes  # noqa: E402
 
 # name -> (overrides, theory as text, theory(K, n): total bytes over the ranks per step)
 STRATEGIES = {

@@ -45,8 +45,8 @@ import torch  # noqa: E402
 
 from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
 from main import build_trainer  # noqa: E402
+from observe.perf import measure_cpu_matmul_peak  # noqa: E402
 from parallel.env import init_distributed  # noqa: E402
-from perf import measure_cpu_matmul_peak  # noqa: E402
 
 LOCAL_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 

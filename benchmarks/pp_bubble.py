@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from measure import StageClock, add_timer  # noqa: E402
+from costs.measure import StageClock, add_timer  # noqa: E402
 
 # (label, overrides): stages per rank v is read back from the config
 SCHEDULES = [

@@ -45,9 +45,9 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-import planner  # noqa: E402
 from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
-from measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes  # noqa: E402
+from costs import planner  # noqa: E402
+from costs.measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")

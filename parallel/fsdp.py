@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from observe.perf import DTYPES
 from parallel.collectives import RingReduceScatter
 from parallel.strategy import Strategy
-from perf import DTYPES
 
 
 class FSDPStrategy(Strategy):

@@ -28,9 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import Config
 from model import lm_loss
+from observe.perf import DTYPES
 from parallel.dtensor import local_tensor
 from parallel.zero_shard import ZeroDataParallel
-from perf import DTYPES
 
 ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
 

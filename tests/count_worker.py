@@ -22,7 +22,7 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
-from measure import CollectiveCounter, loopback_tx_bytes  # noqa: E402
+from costs.measure import CollectiveCounter, loopback_tx_bytes  # noqa: E402
 from parallel.collectives import reduce_scatter  # noqa: E402
 
 ELEMS = 2**18  # 1 MiB of fp32

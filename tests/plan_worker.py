@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.distributed as dist  # noqa: E402
 
+from costs.measure import SavedBytes  # noqa: E402
 from harness import TINY  # noqa: E402
-from measure import SavedBytes  # noqa: E402
 
 
 def run_case(overrides: list[str], run_dir: Path) -> dict:

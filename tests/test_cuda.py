@@ -14,10 +14,10 @@ import torch.nn as nn
 
 import harness
 import parallel.env
-import perf
 from config import load_config
 from harness import REPO, TINY, child_env
 from model import GPT, GPTConfig
+from observe import perf
 from parallel.dp import DataParallelStrategy
 from parallel.env import DistEnv, init_distributed
 from parallel.step import autocast

@@ -24,14 +24,14 @@ import time
 import pytest
 import torch
 
-import perf
 from config import load_config
 from harness import TINY
 from main import build_trainer
+from observe import perf
+from observe.tracker import NullTracker
 from parallel import Strategy
 from parallel.dp import DataParallelStrategy
 from parallel.env import DistEnv, init_distributed
-from tracking import NullTracker
 
 
 @pytest.fixture(autouse=True)

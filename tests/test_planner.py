@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import main as app
-import planner
 from config import load_config
+from costs import planner
+from costs.measure import SavedBytes
 from harness import TINY, torchrun
-from measure import SavedBytes
 from model import GPT, lm_loss
 
 # The bar is 5%; predictions agree to the byte, except that the trainer's inputs and targets

@@ -23,7 +23,7 @@ from config import load_config
 from harness import CORPUS, TINY, torchrun
 from main import build_trainer
 from parallel.env import init_distributed
-from snapshot import SnapshotManager
+from snapshots.store import SnapshotManager
 from trainer import lr_at
 
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]

@@ -24,9 +24,9 @@ import pytest
 # main imports every module of the app at its top, so a forked child that dropped its privileges
 # (and can no longer read the Python installation) has them already
 import main as app
-import runlock
 from config import UsageError
 from harness import REPO, TINY, child_env, torchrun
+from launch import runlock
 
 RUN = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "trainer.save_every=2"]
 

@@ -22,8 +22,8 @@ import torch
 import main as app
 from config import load_config
 from harness import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
+from launch.stopping import torchrun_command
 from parallel.env import init_distributed
-from stopping import torchrun_command
 
 # save_every=0 (TINY): the only snapshots are the stop snapshots and the final one, so a relaunch
 # can only resume from what the stop wrote.

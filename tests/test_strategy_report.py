@@ -17,8 +17,8 @@ import json
 
 import pytest
 
+from costs.measure import ring_moved
 from harness import TINY, python, torchrun
-from measure import ring_moved
 
 K = 4 * 2**18
 

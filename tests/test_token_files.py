@@ -17,9 +17,9 @@ import torch
 import main as app
 import prepare
 from char_dataset import Batching, CharTokenizer, GPT2Tokenizer, TokenDataset
+from corpus.token_files import GPT2_VOCAB, SIDECAR, TokenFiles, open_token_corpus, probe
 from harness import TINY, python
 from test_config import digests
-from token_files import GPT2_VOCAB, SIDECAR, TokenFiles, open_token_corpus, probe
 
 EOT = 50256
 # TINY on a token corpus: its data.truncate counts characters of a text, refused for tokens

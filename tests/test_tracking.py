@@ -268,7 +268,7 @@ def test_two_process_run_has_one_finished_wandb_run_and_no_secret(tmp_path, corp
 
 def test_wandb_failure_mid_run_warns_once_and_metrics_go_on(tmp_path, monkeypatch):
     from config import load_config
-    from tracking import RunTracker
+    from observe.tracker import RunTracker
 
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     cfg = load_config(None, ["wandb.mode=disabled"])
@@ -295,7 +295,7 @@ def test_wandb_failure_mid_run_warns_once_and_metrics_go_on(tmp_path, monkeypatc
 
 def test_tracker_state_fresh_start_resume_and_elastic_restart(tmp_path, monkeypatch):
     from config import load_config
-    from tracking import RunTracker
+    from observe.tracker import RunTracker
 
     cfg = load_config(None, ["wandb.mode=disabled"])
     rows = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (5, 10, 15)) + "{broken\n"
@@ -349,7 +349,7 @@ def test_bad_wandb_config_is_a_usage_error(override, words, monkeypatch):
 
 def test_good_wandb_config_and_mode_resolution(monkeypatch):
     from config import load_config
-    from tracking import wandb_mode
+    from observe.tracker import wandb_mode
 
     cfg = load_config(None, ["wandb.tags=a,b", "wandb.name=my run", "wandb.project=", "wandb.enabled=false"])
     assert cfg.wandb.tags == ["a", "b"] and wandb_mode(cfg) == "disabled"
@@ -373,7 +373,7 @@ class FakeTerminal(io.StringIO):
 
 
 def test_progress_bar_on_a_terminal():
-    from tracking import Progress
+    from observe.tracker import Progress
 
     term = FakeTerminal()
     p = Progress(total=20, start=0, enabled=True, stream=term)
@@ -390,7 +390,7 @@ def test_progress_bar_on_a_terminal():
 
 
 def test_progress_plain_lines_and_silence():
-    from tracking import Progress
+    from observe.tracker import Progress
 
     pipe = io.StringIO()  # isatty() is False
     p = Progress(total=20, start=10, enabled=True, stream=pipe)

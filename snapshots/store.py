@@ -52,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from config import UsageError
-from dcp_reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
+from snapshots.reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
 
 META = "meta.json"
 DAMAGED = "damaged"  # snapshots/damaged/<name>: damaged snapshots moved aside, never loaded
