@@ -20,6 +20,9 @@ from pathlib import Path
 
 import yaml
 
+from parallel.options import PP_SCHEDULES, STRATEGY_NAMES
+from parallel.options import problems as parallel_problems
+
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
@@ -344,9 +347,7 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
         raise UsageError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-STRATEGIES = ("none", "dp", "ddp", "zero", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 def validate(cfg: Config) -> None:
@@ -411,7 +412,7 @@ def validate(cfg: Config) -> None:
     for k in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, k) < 1.0:
             raise UsageError(f"optimizer.{k} must be in [0, 1), got {getattr(o, k)}")
-    _choice("parallel.strategy", p.strategy, STRATEGIES)
+    _choice("parallel.strategy", p.strategy, STRATEGY_NAMES)
     _positive("parallel.tp", p.tp)
     _positive("parallel.pp", p.pp)
     _positive("parallel.dp_replicate", p.dp_replicate)
@@ -423,11 +424,8 @@ def validate(cfg: Config) -> None:
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)
     _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank)
-    if m.n_head % p.tp:
-        raise UsageError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
-                         f"attention heads are split across tensor-parallel ranks")
-    _check_options_belong(p)
-    _check_model_split(m, t, p)
+    for problem in parallel_problems(cfg):
+        raise UsageError(problem)
     _validate_wandb(w)
 
 
@@ -477,91 +475,6 @@ def _validate_wandb(w: WandbConfig) -> None:
             raise UsageError(f"wandb.tags entry '{tag[:70]}' must be 1 to 64 characters; shorten it")
     if w.dir and Path(w.dir).expanduser().exists() and not Path(w.dir).expanduser().is_dir():
         raise UsageError(f"wandb.dir '{w.dir}' is a file; point it at a folder (or leave it empty)")
-
-
-# Options that only mean something for some strategies: setting them elsewhere is a mistake the
-# user should hear about, not a silent no-op.
-_STRATEGY_ONLY = {
-    "zero_stage": ("zero",),
-    "reshard_after_forward": ("fsdp",),
-    "mixed_precision": ("fsdp",),
-    "reduce_dtype": ("fsdp",),
-    "cpu_offload": ("fsdp",),
-    "dp_replicate": ("fsdp",),
-    "bucket_cap_mb": ("ddp", "zero"),
-    "gradient_as_bucket_view": ("ddp",),
-    "static_graph": ("ddp",),
-}
-
-
-def _check_model_split(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> None:
-    """Tensor/pipeline-parallel checks that need only the config (batch checks need the world
-    size: parallel.pp.pipeline_microbatches)."""
-    if p.sequence_parallel and m.block_size % p.tp:
-        raise UsageError(f"model.block_size={m.block_size} is not divisible by parallel.tp={p.tp}; "
-                         f"sequence parallelism splits the sequence across tensor-parallel ranks")
-    if p.pp == 1:
-        return
-    stages = p.pp * p.pp_stages_per_rank
-    if p.pp_split:
-        parts = p.pp_split.split(",")
-        if not all(s.strip().isdigit() and int(s) >= 1 for s in parts):
-            raise UsageError(f"parallel.pp_split='{p.pp_split}' must be comma-separated block counts "
-                             f">= 1, e.g. '3,1'")
-        if len(parts) != stages:
-            raise UsageError(f"parallel.pp_split='{p.pp_split}' has {len(parts)} stages but pp x "
-                             f"pp_stages_per_rank = {stages}; give {stages} counts")
-        if sum(int(s) for s in parts) != m.n_layer:
-            raise UsageError(f"parallel.pp_split='{p.pp_split}' sums to {sum(int(s) for s in parts)} "
-                             f"blocks but model.n_layer={m.n_layer}; make the counts add up to n_layer")
-    elif m.n_layer < stages:
-        raise UsageError(f"model.n_layer={m.n_layer} is fewer than the {stages} pipeline stages (pp x "
-                         f"pp_stages_per_rank); every stage needs a block: lower parallel.pp")
-    elif m.n_layer % stages:
-        raise UsageError(f"model.n_layer={m.n_layer} does not split evenly into {stages} pipeline stages "
-                         f"(pp x pp_stages_per_rank); set parallel.pp_split, e.g. "
-                         f"'{','.join(str(len(c)) for c in _even_chunks(m.n_layer, stages))}'")
-    if p.pp_schedule in ("gpipe", "1f1b") and p.pp_stages_per_rank != 1:
-        raise UsageError(f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank; set "
-                         f"parallel.pp_stages_per_rank=1 or use interleaved_1f1b")
-    if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
-        raise UsageError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2; "
-                         "set it to 2, or use 1f1b")
-    if p.pp_schedule == "zero_bubble" and t.compile:
-        raise UsageError("parallel.pp_schedule=zero_bubble splits backward into input and weight passes, "
-                         "which torch.compile does not support; set trainer.compile=false or use 1f1b")
-    if p.microbatches and p.pp_schedule != "gpipe" and p.microbatches < p.pp:
-        raise UsageError(f"parallel.microbatches={p.microbatches} is below parallel.pp={p.pp}; "
-                         f"{p.pp_schedule} needs at least one micro-batch per stage (or use gpipe)")
-
-
-def _even_chunks(n: int, k: int) -> list[range]:
-    return [range(i * n // k, (i + 1) * n // k) for i in range(k)]
-
-
-def _check_options_belong(p: ParallelConfig) -> None:
-    defaults = ParallelConfig()
-    for key, owners in _STRATEGY_ONLY.items():
-        if getattr(p, key) != getattr(defaults, key) and p.strategy not in owners:
-            raise UsageError(f"parallel.{key} only applies to parallel.strategy="
-                             f"{' or '.join(owners)}, not '{p.strategy}'; remove it or change strategy")
-    # Within zero, buckets mean something only where ZeRO-1/2's own engine is used (stage 3 is
-    # FSDP2, which gathers and reduces per fully_shard group).
-    zero_stages = {"bucket_cap_mb": (1, 2)}
-    if p.strategy == "zero":
-        for key, stages in zero_stages.items():
-            if getattr(p, key) != getattr(defaults, key) and p.zero_stage not in stages:
-                raise UsageError(f"parallel.{key} only applies to parallel.zero_stage="
-                                 f"{' or '.join(map(str, stages))}, not {p.zero_stage}; remove it")
-    pp_only = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")
-    if p.pp == 1:
-        for key in pp_only:
-            if getattr(p, key) != getattr(defaults, key):
-                raise UsageError(f"parallel.{key} only applies with parallel.pp > 1; set parallel.pp")
-    if p.tp == 1:
-        for key in ("tp_vocab_parallel", "sequence_parallel"):
-            if getattr(p, key):
-                raise UsageError(f"parallel.{key} only applies with parallel.tp > 1; set parallel.tp")
 
 
 def dump_yaml(cfg: Config) -> str:

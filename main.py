@@ -68,8 +68,8 @@ from config import (
 from corpus.token_files import corpus_tokenizer, open_token_corpus
 from launch.runlock import lock_run_dir
 from model import GPT, GPTConfig
-from parallel import build_strategy
 from parallel.env import init_distributed, shutdown
+from parallel.registry import build_strategy
 from sample import default_prompt, generate_text, model_from_state
 from snapshots.pretrained import check_shape, check_tokenizer, load_initial, open_source
 from snapshots.store import list_snapshots

@@ -31,10 +31,9 @@ from char_dataset import Batching, TokenDataset
 from config import Config, UsageError
 from observe.perf import Peak, set_fp32_matmul_mode
 from observe.tracker import NullTracker, Progress, RunTracker
-from parallel import Strategy
 from parallel.dtensor import local_tensor
 from parallel.env import control_group
-from parallel.strategy import OPTIMIZER_KERNEL_KEYS
+from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
 from snapshots.store import SnapshotManager, SnapshotMeta, _fault_point, rng_state, set_rng_state
 
 

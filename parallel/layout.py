@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from config import Config, UsageError
+from parallel.options import Engine
 
 MESH_DIMS = ("pp", "dp", "tp")
 # With parallel.dp_replicate = R > 1 (HSDP) dp is built as (R, dp / R) and flattened back into "dp".
@@ -30,8 +31,7 @@ HSDP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 # Data-parallel engines that hold plain tensors only: they cannot take tensor-parallel (DTensor)
 # parameters when dp > 1 (DDP broadcasts and reduces plain tensors: measured), and ZeRO-1/2's own
 # element sharding splits plain tensors (ZeRO-3 is FSDP2, which composes with tp and pp).
-_PLAIN_TENSOR_ENGINES = {("ddp", 0): "DDP", ("zero", 1): "element sharding",
-                         ("zero", 2): "element sharding"}
+_PLAIN_TENSOR_ENGINES = (Engine.DDP, Engine.ZERO1, Engine.ZERO2)
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,11 @@ class Layout:
             raise UsageError(f"trainer.batch_size={t.batch_size} is not divisible by the "
                              f"{dp} data-parallel ranks; use a multiple of {dp}")
         per_rank = t.batch_size // dp
-        engine = _PLAIN_TENSOR_ENGINES.get((p.strategy, p.zero_stage if p.strategy == "zero" else 0))
-        if p.strategy == "zero" and engine and (p.tp > 1 or p.pp > 1):
+        plain_tensors = Engine.of(p) in _PLAIN_TENSOR_ENGINES
+        if p.strategy == "zero" and plain_tensors and (p.tp > 1 or p.pp > 1):
             raise UsageError(f"parallel.zero_stage={p.zero_stage} shards plain tensors and does not compose "
                              f"with parallel.tp/pp > 1; use parallel.zero_stage=3 or parallel.strategy=fsdp")
-        if engine and p.tp > 1 and dp > 1:
+        if plain_tensors and p.tp > 1 and dp > 1:
             raise UsageError(f"parallel.strategy={p.strategy} cannot data-parallelize tensor-parallel "
                              f"(DTensor) parameters; with parallel.tp > 1 and {dp} dp ranks use "
                              f"parallel.strategy=fsdp")

@@ -27,7 +27,8 @@ import torch
 import main as app
 from config import UsageError, load_config
 from harness import TINY, python, run_steps, torchrun
-from parallel import Layout, Strategy
+from parallel.layout import Layout
+from parallel.strategy import Strategy
 from parity import FP16_SCALE, PARAM_ATOL, assert_parity, load_case, parity_errors
 
 STEPS = 10

@@ -29,9 +29,9 @@ from harness import TINY
 from main import build_trainer
 from observe import perf
 from observe.tracker import NullTracker
-from parallel import Strategy
 from parallel.dp import DataParallelStrategy
 from parallel.env import DistEnv, init_distributed
+from parallel.strategy import Strategy
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,8 @@ import re
 import main as app
 from config import dump_yaml, load_config
 from harness import SHOWN_DEVICE, TINY, torchrun
-from parallel import build_strategy
 from parallel.env import DistEnv
+from parallel.registry import build_strategy
 
 
 def describe(world: int, overrides: list[str]) -> str:

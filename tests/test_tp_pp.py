@@ -28,7 +28,7 @@ import torch
 import main as app
 from config import UsageError, load_config
 from harness import TINY, torchrun
-from parallel import Layout
+from parallel.layout import Layout
 from parity import FP16_SCALE, LOSS_RTOL, assert_parity, load_case
 from tp_pp_worker import run_case
 

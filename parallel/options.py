@@ -1,0 +1,145 @@
+"""What `parallel.*` means before a world size is known: the data-parallel engine a config
+selects, and every rule on the parallel keys that needs only the config.
+
+`Engine` is the one name of a data-parallel strategy: config's `parallel.strategy` +
+`parallel.zero_stage` map onto it (`Engine.of`), the strategy registry (parallel/registry.py) is
+keyed by it, and the planner enumerates it. The rules (options that belong to another strategy,
+a pipeline split that adds up, heads and sequence divisible by tp) are yielded as one-line
+problems; `config.validate` raises the first as a UsageError. Checks that need the world size
+live in parallel/layout.py (`Layout.of`).
+
+This module imports nothing of the project at run time, so config.py can use it.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:  # type names only: config.py imports this module
+    from config import Config, ModelConfig, ParallelConfig, TrainerConfig
+
+STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp")  # the values of parallel.strategy
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+class Engine(str, Enum):
+    """The engine on the data-parallel dimension (the ZeRO paper's stages, Rajbhandari et al. 2020)."""
+    NONE = "none"  # one replica, no data parallelism
+    DP = "dp"  # nn.DataParallel: one process, all GPUs
+    DDP = "ddp"  # replicated, gradients all-reduced
+    ZERO1 = "zero-1"  # + optimizer state sharded
+    ZERO2 = "zero-2"  # + gradients sharded
+    ZERO3 = "zero-3"  # + weights sharded (FSDP2 underneath)
+    FSDP = "fsdp"  # FSDP2 fully_shard with its own knobs (reshard, mixed precision, HSDP, offload)
+
+    @classmethod
+    def of(cls, p: ParallelConfig) -> "Engine":
+        return cls(f"zero-{p.zero_stage}" if p.strategy == "zero" else p.strategy)
+
+    @property
+    def config_values(self) -> dict[str, object]:
+        """The parallel.* values that select this engine."""
+        if self.value.startswith("zero-"):
+            return {"strategy": "zero", "zero_stage": int(self.value[-1])}
+        return {"strategy": self.value}
+
+    @property
+    def overrides(self) -> list[str]:
+        """The same as command-line overrides, e.g. ['parallel.strategy=zero', 'parallel.zero_stage=2']."""
+        return [f"parallel.{k}={v}" for k, v in self.config_values.items()]
+
+
+def problems(cfg: Config) -> Iterator[str]:
+    """Every config-only problem of the parallel keys, one line each, in the order a user should
+    fix them."""
+    p, m = cfg.parallel, cfg.model
+    if m.n_head % p.tp:
+        yield (f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
+               f"attention heads are split across tensor-parallel ranks")
+    yield from _option_problems(p)
+    yield from _model_split_problems(m, cfg.trainer, p)
+
+
+# Options that only mean something for some strategies: setting them elsewhere is a mistake the
+# user should hear about, not a silent no-op.
+_STRATEGY_ONLY = {
+    "zero_stage": ("zero",),
+    "reshard_after_forward": ("fsdp",),
+    "mixed_precision": ("fsdp",),
+    "reduce_dtype": ("fsdp",),
+    "cpu_offload": ("fsdp",),
+    "dp_replicate": ("fsdp",),
+    "bucket_cap_mb": ("ddp", "zero"),
+    "gradient_as_bucket_view": ("ddp",),
+    "static_graph": ("ddp",),
+}
+
+
+def _model_split_problems(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> Iterator[str]:
+    """Tensor/pipeline-parallel checks that need only the config (the batch split needs the world
+    size: Layout.of)."""
+    if p.sequence_parallel and m.block_size % p.tp:
+        yield (f"model.block_size={m.block_size} is not divisible by parallel.tp={p.tp}; "
+                         f"sequence parallelism splits the sequence across tensor-parallel ranks")
+    if p.pp == 1:
+        return
+    stages = p.pp * p.pp_stages_per_rank
+    if p.pp_split:
+        parts = p.pp_split.split(",")
+        if not all(s.strip().isdigit() and int(s) >= 1 for s in parts):
+            yield (f"parallel.pp_split='{p.pp_split}' must be comma-separated block counts "
+                             f">= 1, e.g. '3,1'")
+        if len(parts) != stages:
+            yield (f"parallel.pp_split='{p.pp_split}' has {len(parts)} stages but pp x "
+                             f"pp_stages_per_rank = {stages}; give {stages} counts")
+        if sum(int(s) for s in parts) != m.n_layer:
+            yield (f"parallel.pp_split='{p.pp_split}' sums to {sum(int(s) for s in parts)} "
+                             f"blocks but model.n_layer={m.n_layer}; make the counts add up to n_layer")
+    elif m.n_layer < stages:
+        yield (f"model.n_layer={m.n_layer} is fewer than the {stages} pipeline stages (pp x "
+                         f"pp_stages_per_rank); every stage needs a block: lower parallel.pp")
+    elif m.n_layer % stages:
+        yield (f"model.n_layer={m.n_layer} does not split evenly into {stages} pipeline stages "
+                         f"(pp x pp_stages_per_rank); set parallel.pp_split, e.g. "
+                         f"'{','.join(str(len(c)) for c in _even_chunks(m.n_layer, stages))}'")
+    if p.pp_schedule in ("gpipe", "1f1b") and p.pp_stages_per_rank != 1:
+        yield (f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank; set "
+                         f"parallel.pp_stages_per_rank=1 or use interleaved_1f1b")
+    if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
+        yield ("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2; "
+                         "set it to 2, or use 1f1b")
+    if p.pp_schedule == "zero_bubble" and t.compile:
+        yield ("parallel.pp_schedule=zero_bubble splits backward into input and weight passes, "
+                         "which torch.compile does not support; set trainer.compile=false or use 1f1b")
+    if p.microbatches and p.pp_schedule != "gpipe" and p.microbatches < p.pp:
+        yield (f"parallel.microbatches={p.microbatches} is below parallel.pp={p.pp}; "
+                         f"{p.pp_schedule} needs at least one micro-batch per stage (or use gpipe)")
+
+
+def _even_chunks(n: int, k: int) -> list[range]:
+    return [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def _option_problems(p: ParallelConfig) -> Iterator[str]:
+    defaults = type(p)()  # the dataclass defaults, without importing config at run time
+    for key, owners in _STRATEGY_ONLY.items():
+        if getattr(p, key) != getattr(defaults, key) and p.strategy not in owners:
+            yield (f"parallel.{key} only applies to parallel.strategy="
+                             f"{' or '.join(owners)}, not '{p.strategy}'; remove it or change strategy")
+    # Within zero, buckets mean something only where ZeRO-1/2's own engine is used (stage 3 is
+    # FSDP2, which gathers and reduces per fully_shard group).
+    zero_stages = {"bucket_cap_mb": (1, 2)}
+    if p.strategy == "zero":
+        for key, stages in zero_stages.items():
+            if getattr(p, key) != getattr(defaults, key) and p.zero_stage not in stages:
+                yield (f"parallel.{key} only applies to parallel.zero_stage="
+                                 f"{' or '.join(map(str, stages))}, not {p.zero_stage}; remove it")
+    pp_only = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")
+    if p.pp == 1:
+        for key in pp_only:
+            if getattr(p, key) != getattr(defaults, key):
+                yield (f"parallel.{key} only applies with parallel.pp > 1; set parallel.pp")
+    if p.tp == 1:
+        for key in ("tp_vocab_parallel", "sequence_parallel"):
+            if getattr(p, key):
+                yield (f"parallel.{key} only applies with parallel.tp > 1; set parallel.tp")
