@@ -2,88 +2,36 @@
 
 Owns the dataclasses that every other module reads (`Config` and its sections), the loader that
 turns `gpt2_train_cfg.yaml` + `key.sub=value` overrides into them, and `UsageError`, the one
-exception type for bad user input (config, data, snapshot, CLI). `main.py` turns a `UsageError`
-into one line on stderr and exit code 2; nothing else in the project prints tracebacks for input
-mistakes.
+exception type for bad user input (config, data, snapshot, CLI): one line on stderr, exit code 2
+(launch/errors.py). The rules of some sections live beside what they configure and are read here:
+parallel/options.py, corpus/kinds.py, observe/wandb_limits.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import hashlib
+import itertools
 import json
-import re
 import typing
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from corpus.kinds import token_corpus_problems
+from observe.redact import REDACTED, has_redacted_credentials, redact_strings
+from observe.wandb_limits import wandb_problems
 from parallel.options import PP_SCHEDULES, STRATEGY_NAMES
 from parallel.options import problems as parallel_problems
 
-TINY_SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "gpt2_train_cfg.yaml"
+TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
 class UsageError(Exception):
     """Bad input from the user. The message is one line: the problem and the fix."""
-
-
-# ----------------------------------------------------------------------------- redaction
-
-REDACTED = "***"
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
-# Query parameters that carry credentials: tokens, API keys, signed-URL signatures (S3's
-# X-Amz-Signature / X-Amz-Credential, Azure SAS `sig`), passwords, session ids.
-_SECRET_PARAM = re.compile(r"token|key|sig|pass|pwd|secret|auth|credential|session", re.IGNORECASE)
-
-
-def _redact_one(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, host = netloc.rsplit("@", 1)
-        # user:password -> user:***; a lone user part may itself be a token (https://TOKEN@host)
-        netloc = f"{user.split(':', 1)[0]}:{REDACTED}@{host}" if ":" in user else f"{REDACTED}@{host}"
-    query = "&".join(
-        f"{k}={REDACTED}" if _SECRET_PARAM.search(k) and v else (f"{k}={v}" if sep else k)
-        for k, sep, v in (item.partition("=") for item in parts.query.split("&"))) if parts.query else ""
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def redact_url(text: str) -> str:
-    """`text` with the credentials of every URL in it replaced by ***: the password of
-    user:password@ (or a lone user part, often a token), and the values of query parameters whose
-    names speak of a token, key, signature, password, secret, auth, credential or session.
-    Everything the project writes or prints about the config or the corpus source goes through
-    this one function (Config.to_dict, char_dataset's source line, warnings and errors); the real
-    URL stays in the live config, and only the download uses it."""
-    return _URL.sub(lambda m: _redact_one(m.group(0)), text)
-
-
-def has_redacted_credentials(url: str) -> bool:
-    """A URL whose credentials are the *** of a redacted copy (e.g. a run's config.yaml)."""
-    probe = url.replace(REDACTED, "x")
-    return REDACTED in url and redact_url(url) == url and redact_url(probe) != probe
-
-
-SIDECAR = "corpus.json"  # the record prepare.py writes into a token corpus folder (token_files.py)
-
-
-def token_corpus_kind(path: str) -> str:
-    """What kind of pre-tokenized corpus data.path names (token_files.py reads both): "bin" for
-    nanoGPT's raw uint16 train.bin, "folder" for prepare.py's output (a folder holding corpus.json,
-    or that file), "" for text (a file or URL; char_dataset refuses any other folder)."""
-    if path.startswith(("http://", "https://")):
-        return ""
-    if path.endswith(".bin"):
-        return "bin"
-    p = Path(path).expanduser()
-    return "folder" if p.name == SIDECAR or (p / SIDECAR).is_file() else ""
 
 
 @dataclass
@@ -197,7 +145,7 @@ class Config:
     def to_dict(self) -> dict:
         """The config as plain data, for everything that writes or prints it (config.yaml,
         meta.json, model.pt, wandb, stdout): credentials in URLs are redacted (redact_url)."""
-        return _redact_strings(dataclasses.asdict(self))
+        return redact_strings(dataclasses.asdict(self))
 
     def model_fingerprint(self) -> str:
         """Hash of what fixes the parameter shapes: a snapshot only loads into the same shapes."""
@@ -208,14 +156,6 @@ class Config:
             shape.pop("gelu")
         shape["tokenizer"] = self.data.tokenizer
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _redact_strings(value):
-    if isinstance(value, dict):
-        return {k: _redact_strings(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact_strings(v) for v in value]
-    return redact_url(value) if isinstance(value, str) else value
 
 
 # ----------------------------------------------------------------------------- loading
@@ -351,8 +291,18 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need only the config (world size checks live in parallel.validate_layout)."""
-    d, m, t, o, p, w = cfg.data, cfg.model, cfg.trainer, cfg.optimizer, cfg.parallel, cfg.wandb
+    """Checks that need only the config, section by section; the first problem is raised (checks
+    that need the world size: parallel/layout.py, Layout.of)."""
+    _validate_data(cfg.data)
+    _validate_model(cfg.model)
+    _validate_trainer(cfg.trainer)
+    _validate_optimizer(cfg.optimizer)
+    _validate_parallel(cfg.parallel)
+    for problem in itertools.chain(parallel_problems(cfg), wandb_problems(cfg.wandb)):  # lazily: the first
+        raise UsageError(problem)
+
+
+def _validate_data(d: DataConfig) -> None:
     _choice("data.tokenizer", d.tokenizer, ("char", "gpt2"))
     _positive("data.truncate", d.truncate, allow_zero=True)
     if not 0.0 < d.val_fraction < 1.0:
@@ -365,7 +315,8 @@ def validate(cfg: Config) -> None:
     if d.sha256 and not (len(d.sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in d.sha256)):
         raise UsageError(f"data.sha256='{d.sha256[:70]}' is not a sha256 (64 hex digits); fix it or "
                          f"set it to '' to skip the check")
-    _validate_token_corpus(d)
+    for problem in token_corpus_problems(d):
+        raise UsageError(problem)
     if not d.cache_dir:
         raise UsageError("data.cache_dir is empty; point it at a folder for downloaded corpora")
     if d.path.startswith(("http://", "https://")):  # the cache is only read for a URL
@@ -378,6 +329,9 @@ def validate(cfg: Config) -> None:
         if not_a_folder:
             raise UsageError(f"data.cache_dir='{d.cache_dir}' is not a folder; point it at a folder for "
                              f"downloaded corpora")
+
+
+def _validate_model(m: ModelConfig) -> None:
     for k in ("n_layer", "n_head", "n_embd", "block_size"):
         _positive(f"model.{k}", getattr(m, k))
     if m.n_embd % m.n_head:
@@ -389,6 +343,9 @@ def validate(cfg: Config) -> None:
     if m.init_from and not Path(m.init_from).expanduser().exists():
         raise UsageError(f"model.init_from '{m.init_from}' does not exist; give a Hugging Face GPT-2 "
                          f"folder (config.json + model.safetensors) or a run's model.pt")
+
+
+def _validate_trainer(t: TrainerConfig) -> None:
     _positive("trainer.max_steps", t.max_steps)
     _positive("trainer.max_epochs", t.max_epochs, allow_zero=True)
     _positive("trainer.batch_size", t.batch_size)
@@ -402,6 +359,9 @@ def validate(cfg: Config) -> None:
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     if not t.run_dir:
         raise UsageError("trainer.run_dir is empty; name a folder for this run's outputs")
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
     _positive("optimizer.lr", o.lr)
     _positive("optimizer.min_lr", o.min_lr, allow_zero=True)
     if o.min_lr > o.lr:
@@ -412,6 +372,9 @@ def validate(cfg: Config) -> None:
     for k in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, k) < 1.0:
             raise UsageError(f"optimizer.{k} must be in [0, 1), got {getattr(o, k)}")
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
     _choice("parallel.strategy", p.strategy, STRATEGY_NAMES)
     _positive("parallel.tp", p.tp)
     _positive("parallel.pp", p.pp)
@@ -424,57 +387,6 @@ def validate(cfg: Config) -> None:
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)
     _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank)
-    for problem in parallel_problems(cfg):
-        raise UsageError(problem)
-    _validate_wandb(w)
-
-
-def _validate_token_corpus(d: DataConfig) -> None:
-    """Keys that mean something only for a text corpus, or only for a nanoGPT .bin (a token
-    corpus's split and length are fixed when it is prepared)."""
-    kind = token_corpus_kind(d.path)
-    if d.val_path and kind != "bin":
-        raise UsageError(f"data.val_path only applies when data.path is nanoGPT's train.bin, not "
-                         f"'{d.path}'; remove it")
-    if d.val_path and not d.val_path.endswith(".bin"):
-        raise UsageError(f"data.val_path='{d.val_path}' must be nanoGPT's val.bin (raw uint16 ids, a .bin "
-                         f"file); fix it or leave it empty for the val.bin beside data.path")
-    if kind == "bin" and d.tokenizer != "gpt2":
-        raise UsageError(f"data.path '{d.path}' is a nanoGPT .bin, which holds GPT-2 ids (its char "
-                         f"vocabulary would be in meta.pkl, a pickle this project never reads): set "
-                         f"data.tokenizer=gpt2, or tokenize the text with python prepare.py --tokenizer char")
-    if kind:
-        if d.truncate:
-            raise UsageError("data.truncate counts characters of a text corpus, and data.path is a token "
-                             "corpus; remove it (prepare a shorter corpus instead)")
-        if d.val_fraction != DataConfig.val_fraction:
-            raise UsageError(f"data.val_fraction splits a text corpus; a token corpus's split is fixed by "
-                             f"its files (prepare.py --val-fraction): remove data.val_fraction={d.val_fraction}")
-
-
-def _validate_wandb(w: WandbConfig) -> None:
-    """wandb's own limits (wandb 0.31 Settings), checked before any training instead of inside
-    wandb.init, where a failure would only turn wandb off with a warning."""
-    if w.mode not in ("", "online", "offline", "disabled"):
-        modes = ("online", "offline", "disabled")
-        raise UsageError(f"wandb.mode='{w.mode}' is not one of online, offline, disabled or \"\" "
-                         f"(automatic: online when WANDB_API_KEY is set){_suggest(w.mode, modes)}")
-    for key in ("project", "entity"):
-        value = getattr(w, key)
-        if any(c in "/\\#?%:" for c in value) or len(value) > 128:
-            raise UsageError(f"wandb.{key}='{value[:40]}' must be at most 128 characters, none of "
-                             f"/ \\ # ? % :; rename it")
-    if not w.project and w.enabled and w.mode != "disabled":
-        raise UsageError("wandb.project is empty; name a project (or set wandb.enabled=false)")
-    for key in ("name", "group"):
-        value = getattr(w, key)
-        if "\n" in value or len(value) > 128:
-            raise UsageError(f"wandb.{key} must be one line of at most 128 characters; shorten it")
-    for tag in w.tags:
-        if not 1 <= len(tag) <= 64:
-            raise UsageError(f"wandb.tags entry '{tag[:70]}' must be 1 to 64 characters; shorten it")
-    if w.dir and Path(w.dir).expanduser().exists() and not Path(w.dir).expanduser().is_dir():
-        raise UsageError(f"wandb.dir '{w.dir}' is a file; point it at a folder (or leave it empty)")
 
 
 def dump_yaml(cfg: Config) -> str:

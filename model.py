@@ -11,6 +11,7 @@ Two design choices exist for the parallel code in `parallel/`:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,21 @@ class GPTConfig:
     # is the approximation GPT-2 was trained with (Hugging Face's "gelu_new"): imported GPT-2
     # weights need it to give GPT-2's logits.
     gelu: str = "erf"
+
+    @classmethod
+    def of(cls, model_cfg, vocab_size: int) -> "GPTConfig":
+        """The shape a config's `model` section (config.ModelConfig) gives with this vocabulary:
+        GPTConfig's own fields, read by name (the section's other keys, e.g. init_from, are not
+        shape)."""
+        return cls(vocab_size=vocab_size, **{f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(cls)
+                                             if f.name != "vocab_size"})
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the whole model costs: the start-up view shows its parameters, MFU divides by its FLOPs."""
+    num_params: int  # every unique parameter, position embeddings included
+    flops_per_token: float  # training FLOPs per token (GPT.flops_per_token)
 
 
 class CausalSelfAttention(nn.Module):
@@ -154,6 +170,10 @@ class GPT(nn.Module):
         if not c.tie_weights:
             n -= c.vocab_size * c.n_embd
         return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
+
+    def cost(self) -> "ModelCost":
+        """Counted on the whole model, before any parallel split."""
+        return ModelCost(num_params=self.num_params(exclude_position=False), flops_per_token=self.flops_per_token())
 
     # ------------------------------------------------------------------ sampling
 

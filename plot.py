@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from config import UsageError
+from storage.files import atomic_write
 
 # metric key -> panel title; memory keys (`*_mb`) are added per run set, after these
 PANELS = {"loss": "train loss", "val_loss": "val loss", "lr": "learning rate", "tokens_per_sec": "tokens/s"}
@@ -99,9 +100,7 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
         ax.set_visible(False)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="outside upper center", ncols=min(len(runs), 4), frameon=False)
-    tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(out)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, format="png"))
     return keys
 
 

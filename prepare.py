@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from char_dataset import CharTokenizer, GPT2Tokenizer
-from config import SIDECAR, UsageError
+from config import UsageError
+from corpus.kinds import SIDECAR
 from corpus.token_files import (
     FORMAT,
     GPT2_VOCAB,
@@ -47,9 +47,10 @@ from corpus.token_files import (
     max_token,
     probe,
     read_record,
-    sha256_file,
     smallest_dtype,
 )
+from corpus.tokenizers import CharTokenizer, GPT2Tokenizer
+from storage.files import atomic_write_text, sha256_file
 
 # A line break between two printable ASCII characters: every GPT-2 pre-token (tiktoken's r50k
 # regex) either ends before it or is the "\n" itself, so text cut after it tokenizes the same.
@@ -303,9 +304,7 @@ def prepare(inputs: list[str], kind: str, out: Path, workers: int, val_fraction:
     tok = {"kind": "gpt2", "encoding": "r50k_base"} if kind == "gpt2" else {"kind": "char", "chars": chars}
     rec = CorpusRecord(FORMAT, VERSION, tok, vocab, dtype, biggest, stream.hexdigest(), train, val,
                        val_fraction, [str(f) for f in files])
-    tmp = out / (SIDECAR + ".tmp")
-    tmp.write_text(rec.to_json(), encoding="utf-8")
-    os.replace(tmp, out / SIDECAR)  # last: a folder without it is unfinished
+    atomic_write_text(out / SIDECAR, rec.to_json(), durable=True)  # last: a folder without it is unfinished
     return rec
 
 

@@ -1,8 +1,9 @@
 """Generate text from a trained run: `python sample.py --run-dir runs/<name> --prompt "ROMEO:"`.
 
-Reads `<run_dir>/model.pt` (plain tensors + configs + tokenizer, loaded with weights_only=True),
-or another such file with `--model FILE` (e.g. export.py's `model_step_<N>.pt`), or with `--snapshot` the newest valid snapshot of the run (any strategy, any world size: DCP
-reassembles the shards in this one process). Needs no process group and no GPU.
+Reads `<run_dir>/model.pt` (plain tensors + configs + tokenizer, loaded with weights_only=True:
+snapshots/model_file.py), another such file with `--model FILE` (e.g. export.py's
+`model_step_<N>.pt`), or with `--snapshot` the newest valid snapshot of the run (any strategy, any
+world size: DCP reassembles the shards in this one process). Needs no process group and no GPU.
 """
 from __future__ import annotations
 
@@ -10,56 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from char_dataset import tokenizer_from_dict
 from config import UsageError
-from export import consolidate
-from model import GPT, GPTConfig
-
-
-def model_from_state(state_dict: dict, gpt_cfg: GPTConfig) -> GPT:
-    model = GPT(gpt_cfg)
-    model.load_state_dict(state_dict)
-    return model.eval()
-
-
-def load_model_pt(path: Path):
-    """(model, tokenizer, payload) from a model.pt written by main.py or export.py (its payload:
-    snapshot.SnapshotMeta.model_file)."""
-    if not path.is_file():
-        raise UsageError(f"{path} not found; train first (python main.py) or export a snapshot "
-                         f"(python export.py --run-dir ...)")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"{path} is not a readable model.pt ({type(e).__name__}); export it again "
-                         f"with python export.py") from None
-    if not isinstance(payload, dict) or "model" not in payload or "model_config" not in payload:
-        raise UsageError(f"{path} is not a model.pt of this project; export it again with python export.py")
-    model = model_from_state(payload["model"], GPTConfig(**payload["model_config"]))
-    return model, tokenizer_from_dict(payload["tokenizer"]), payload
-
-
-def default_prompt(tok) -> str:
-    """Where a sample starts when no prompt is given: a line start ("\n") when the vocabulary
-    has one, else its first token (a corpus without newlines has no "\n" token)."""
-    try:
-        if tok.encode("\n").numel() == 1:
-            return "\n"
-    except UsageError:
-        pass
-    return tok.decode([0])
-
-
-def generate_text(model: GPT, tok, prompt: str, tokens: int, temperature: float = 0.8,
-                  top_k: int | None = 200, seed: int = 1337) -> str:
-    ids = tok.encode(prompt)
-    if ids.numel() == 0:
-        raise UsageError("the prompt is empty after tokenization; give --prompt some text")
-    g = torch.Generator().manual_seed(seed)
-    out = model.generate(ids[None, :], tokens, temperature=temperature, top_k=top_k, generator=g)
-    return tok.decode(out[0].tolist())
+from corpus.tokenizers import tokenizer_from_dict
+from launch.sampling import default_prompt, generate_text
+from snapshots.consolidate import consolidate
+from snapshots.model_file import MODEL_FILE, read_model_file
 
 
 def main(argv=None) -> int:
@@ -91,13 +47,12 @@ def main(argv=None) -> int:
             raise UsageError("--snapshot samples a run's newest snapshot: give --run-dir DIR instead of --model")
         run_dir = Path(args.run_dir) if args.run_dir else None
         if args.model:
-            model, tok, _ = load_model_pt(Path(args.model))
+            model_file = read_model_file(Path(args.model))
         elif args.snapshot:
-            payload = consolidate(run_dir, None)
-            model = model_from_state(payload["model"], GPTConfig(**payload["model_config"]))
-            tok = tokenizer_from_dict(payload["tokenizer"])
+            model_file = consolidate(run_dir, None)
         else:
-            model, tok, _ = load_model_pt(run_dir / "model.pt")
+            model_file = read_model_file(run_dir / MODEL_FILE)
+        model, tok = model_file.build_model(), tokenizer_from_dict(model_file.tokenizer)
         prompt = default_prompt(tok) if args.prompt is None else args.prompt
         print(generate_text(model, tok, prompt, args.tokens, args.temperature, args.top_k, args.seed))
     except UsageError as e:

@@ -1,4 +1,4 @@
-"""The Trainer: the step loop, LR schedule, mixed precision, eval, logging, snapshots, export.
+"""The Trainer: the step loop, LR schedule, mixed precision, eval, logging, snapshots.
 
 It talks to the model only through a `parallel.Strategy` and never asks which strategy it is.
 `trainer.batch_size` is the GLOBAL batch (sequences per optimizer step); the strategy splits it
@@ -8,19 +8,19 @@ over data-parallel ranks and micro-batches. One optimizer step is:
     scaler.unscale_(opt); norm = strategy.clip_grad_norm_(clip); scaler.step(opt); scaler.update()
     scheduler.step()
 
-Resume state (`state_tensors` + `state_meta`): model, optimizer, grad scaler, step
-(which is also the data position: batches are a pure function of (seed, step)), RNG states, and
-the run tracker's id. Snapshot files themselves are `snapshot.py`'s business. A resume refuses
-another data stream or model shape (`_refuse_another_run`), runs the configured optimizer
-hyper-parameters and LR schedule from the resume step, and restores the RNG streams only into
-the same (pp, dp, tp) layout (else derives them per dp rank, so tp peers share one).
+Resume state (`state_tensors` + `state_meta`): model, optimizer, grad scaler, step (which is also
+the data position: batches are a pure function of (seed, step)), RNG states, and the run
+tracker's id. Snapshot files are snapshots/store.py's business, which launches are the same run
+snapshots/resume.py's. A resume runs the configured optimizer hyper-parameters and LR schedule
+from the resume step, and restores the RNG streams only into the same (pp, dp, tp) layout (else
+derives them per dp rank, so tp peers share one).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,12 +29,19 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from char_dataset import Batching, TokenDataset
 from config import Config, UsageError
+from launch.faults import poison_if_asked
+from launch.stop_vote import StopVote
+from launch.stopping import StopRequest
+from model import ModelCost
+from observe.health import FiniteCheck
 from observe.perf import Peak, set_fp32_matmul_mode
+from observe.step_metrics import StepWindow, memory_row
 from observe.tracker import NullTracker, Progress, RunTracker
-from parallel.dtensor import local_tensor
-from parallel.env import control_group
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
-from snapshots.store import SnapshotManager, SnapshotMeta, _fault_point, rng_state, set_rng_state
+from snapshots.meta import SnapshotMeta
+from snapshots.model_file import ModelFile, write_model_file
+from snapshots.resume import nothing_left_message, refuse_another_run
+from snapshots.store import SnapshotManager, rng_state, set_rng_state
 
 
 def lr_at(step: int, cfg: Config, max_steps: int) -> float:
@@ -66,74 +73,32 @@ def total_steps(cfg: Config, data: TokenDataset) -> int:
     return t.max_steps
 
 
-def rss_peak_bytes() -> int:
-    """Peak resident set size of this process: every byte it touched (interpreter, libraries,
-    allocator caches, communication buffers), not only the training tensors."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+@dataclass
+class RunSummary:
+    """How the step loop ended: `stopped` by a signal (its number; `snapshot` holds that step), or
+    finished (`val_loss` and the speed of the run)."""
+    final_step: int
+    stopped: int = 0
+    snapshot: str | None = None
+    val_loss: float | None = None
+    median_step_ms: float | None = None
+    tokens_per_sec: float | None = None
 
-
-_NEVER = 2**62  # "no bad step yet" in a MIN-reduced step number
-
-
-class NonFiniteError(Exception):
-    """The training diverged; raised on every rank at once (the ranks agree before raising)."""
-
-    def __init__(self, what: str, last_snapshot: Path | None):
-        super().__init__(what)
-        self.what, self.last_snapshot = what, last_snapshot
-
-
-class StopRequest:
-    """A signal handler (main.py installs it for SIGTERM and SIGINT) that only records the first
-    signal's number. Nothing is interrupted: not a step, not a collective, not a snapshot write
-    (a second signal during the stop snapshot changes nothing); the loop reads it between steps."""
-
-    def __init__(self):
-        self.signum = 0
-
-    def __call__(self, signum, frame) -> None:
-        self.signum = self.signum or signum
-
-
-class StopVote:
-    """Every rank must stop at the same step, or the others would wait forever in the next step's
-    collectives. The ranks agree with a MAX all-reduce of the recorded signal number on a gloo
-    group (CPU tensor: no GPU sync), started asynchronously after step k and read after step k+1,
-    so the vote's latency hides behind a whole step. A signal thus stops the run one or two steps
-    after it arrives. One process needs no vote."""
-
-    def __init__(self, request: StopRequest, distributed: bool):
-        self.request, self.pending = request, None
-        self.group = control_group() if distributed else None
-
-    def start(self) -> None:
-        if self.group is not None:
-            flag = torch.tensor([self.request.signum], dtype=torch.int32)
-            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
-
-    def result(self) -> int:
-        """The agreed signal number (0: go on)."""
-        if self.group is None:
-            return self.request.signum
-        if self.pending is None:
-            return 0
-        work, flag = self.pending
-        work.wait()
-        self.pending = None
-        return int(flag.item())
+    def metrics(self) -> dict[str, float | int]:
+        """The tracker's summary: every figure that was measured."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if v is not None and k in ("final_step", "val_loss", "median_step_ms", "tokens_per_sec")}
 
 
 class Trainer:
     def __init__(self, cfg: Config, data: TokenDataset, tokenizer, strategy: Strategy, run_dir: Path,
-                 model_config: dict, data_source: str = "", init_from: str | None = None):
-        """`data_source`: where the corpus came from (for the start-up view); `init_from`: the
-        weights file the model was loaded from (model.init_from), None for a seeded init."""
-        self.cfg = cfg
-        self.data = data
-        self.tokenizer = tokenizer
-        self.strategy = strategy
-        self.run_dir = run_dir
-        self.model_config = model_config  # GPTConfig as a dict (for model.pt)
+                 model_config: dict, model_cost: ModelCost, data_source: str = "", init_from: Path | None = None):
+        """Collective (the tracker rank shares its peak FLOP/s). `strategy` holds the model already
+        (Strategy.setup); `model_cost`: what the whole model costs, counted before the split;
+        `data_source`: where the corpus came from (for the start-up view); `init_from`: the weights
+        file the model was loaded from (model.init_from), None for a seeded init."""
+        self.cfg, self.data, self.tokenizer, self.strategy, self.run_dir = cfg, data, tokenizer, strategy, run_dir
+        self.model_config, self.model_cost = model_config, model_cost  # model_config: GPTConfig as a dict
         self.data_source, self.init_from = data_source, init_from
         self.max_steps = total_steps(cfg, data)
         data.check_batch(cfg.trainer.batch_size)
@@ -147,10 +112,9 @@ class Trainer:
         self.tracker_run_id: str | None = None
         self.snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, strategy.env.rank,
                                          strategy.env.distributed)
-        self.flops_per_token = strategy.flops_per_token
         set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
         self.peak = Peak(strategy.device, cfg.trainer.precision, cfg.trainer.peak_flops, strategy.is_tracker)
-        self.peak_label = self.peak.label  # "" on other ranks until open_tracker shares the tracker's
+        self.peak_label = self._tracker_peak_label()
         self.held_bytes: dict[str, int] = {}  # Strategy.resident_bytes, read on log steps
         self.last_val_loss: float | None = None
         self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
@@ -158,6 +122,14 @@ class Trainer:
         self.stop_request = StopRequest()
         self.schedule_note: str | None = None  # set by resume() when the LR schedule runs differently
         self._snapshot_decay: int | None = None  # the cosine length the resumed snapshot was trained with
+        self.finite = FiniteCheck(strategy)
+
+    def _tracker_peak_label(self) -> str:
+        """The peak is looked up on the tracker rank only (it may measure); every rank learns its label."""
+        shared = [self.peak.label]
+        if self.strategy.env.distributed:
+            dist.broadcast_object_list(shared, src=self.strategy.tracker_rank)
+        return shared[0]
 
     # ------------------------------------------------------------------ resume state
 
@@ -213,7 +185,7 @@ class Trainer:
             return None
         path, record = found
         meta = SnapshotMeta.from_record(record)
-        self._refuse_another_run(path, meta)
+        refuse_another_run(path, meta, self.cfg, self.data_stream())
         # The optimizer hyper-parameters as this config builds them: they, not the snapshot's,
         # run from the resume step on (put back after loading, below; the kernel flags are the
         # strategy's, Strategy.load_state_dict).
@@ -278,53 +250,8 @@ class Trainer:
 
     def nothing_left_message(self) -> str:
         """The one line of a launch that resumed at or past its last step (main exits 0 after it)."""
-        t = self.cfg.trainer
-        end = (f"trainer.max_epochs={t.max_epochs} ({self.max_steps} steps)" if t.max_epochs > 0
-               else f"trainer.max_steps={self.max_steps}")
         decay = self._snapshot_decay or self.cfg.optimizer.lr_decay_steps or self.max_steps
-        longer = ("a larger trainer.max_epochs" if t.max_epochs > 0
-                  else f"trainer.max_steps=N above {self.step}")
-        return (f"nothing left to train: {self.run_dir} is at step {self.step} and {end} ends there, so "
-                f"nothing was run or written; to train longer relaunch with {longer} and "
-                f"optimizer.lr_decay_steps={decay} to keep this run's LR curve; to start fresh use another "
-                f"trainer.run_dir")
-
-    def _refuse_another_run(self, path: Path, meta: SnapshotMeta) -> None:
-        """UsageError naming every setting that would make this launch another run than the
-        snapshot's: another data stream (data_stream) or another model shape."""
-        old_cfg, recorded = meta.config, meta.data_position
-
-        def was(dotted: str):
-            section, key = dotted.split(".")
-            return recorded.get(dotted, old_cfg.get(section, {}).get(key))
-
-        def show(v) -> str:
-            return str(v).lower() if isinstance(v, bool) else str(v)
-
-        now = self.data_stream()
-        changes = [f"{k}={show(was(k))} (now {show(v)})" for k, v in now.items()
-                   if k != "corpus_sha256" and was(k) is not None and was(k) != v]
-        stream_changed = bool(changes)
-        old_sha = recorded.get("corpus_sha256")
-        # A changed truncate or tokenizer changes the token stream anyway: name only those.
-        if old_sha and old_sha != now["corpus_sha256"] and not any(
-                c.startswith(("data.truncate=", "data.tokenizer=")) for c in changes):
-            changes.append(f"corpus sha256={old_sha[:12]} (now {now['corpus_sha256'][:12]}: "
-                           f"another corpus under data.path)")
-            stream_changed = True
-        shape_changed = meta.fingerprint != self.cfg.model_fingerprint()
-        if shape_changed:
-            current = dataclasses.asdict(self.cfg.model)
-            for k, v in current.items():
-                key = f"model.{k}"
-                if k not in ("dropout", "init_from") and key not in now and was(key) is not None and was(key) != v:
-                    changes.append(f"{key}={show(was(key))} (now {show(v)})")
-            if not changes:  # a snapshot without a readable config
-                changes.append(f"model {old_cfg.get('model', {})}")
-        if changes:
-            what = " and ".join(w for w, on in (("model shape", shape_changed), ("data stream", stream_changed)) if on)
-            raise UsageError(f"snapshot {path} was trained with {', '.join(changes)} (a different {what}); "
-                             f"use the snapshot's values or another trainer.run_dir")
+        return nothing_left_message(self.cfg, self.run_dir, self.step, self.max_steps, decay)
 
     # ------------------------------------------------------------------ tracking
 
@@ -337,17 +264,17 @@ class Trainer:
             self.tracker = RunTracker(self.cfg, self.run_dir,
                                       resume_step=self.step if self.resumed_from else None,
                                       resume_run_id=self.tracker_run_id)
-        shared = [self.tracker.run_id, self.peak_label]  # the peak is looked up on the tracker rank only
+        shared = [self.tracker.run_id]
         if s.env.distributed:
             dist.broadcast_object_list(shared, src=s.tracker_rank)
-        self.tracker_run_id, self.peak_label = shared
+        self.tracker_run_id = shared[0]
 
-    def close_tracker(self, summary: dict | None = None, sample: str | None = None) -> None:
+    def close_tracker(self, summary: RunSummary | None = None, sample: str | None = None) -> None:
         """End the tracker's run (on the tracker rank), with the run's summary and sample text."""
         if sample is not None:
             self.tracker.log_text("sample", sample)
         if summary is not None:
-            self.tracker.summary({k: v for k, v in summary.items() if v is not None})
+            self.tracker.summary(summary.metrics())
         self.tracker.finish()
 
     # ------------------------------------------------------------------ loop
@@ -393,13 +320,6 @@ class Trainer:
         loss = self.forward_backward()
         return loss, self.optimizer_step()
 
-    @torch.no_grad()
-    def _poison_if_asked(self) -> None:
-        """Fault injection for the tests: MINGPT_FAULT=nan:update:STEP:RANK makes RANK's first
-        weight NaN right after the update of step STEP (only that rank's copy or shard)."""
-        if _fault_point("update", self.step, self.strategy.env.rank) == "nan":
-            local_tensor(next(self.strategy.unwrapped()[0].parameters())).fill_(float("nan"))
-
     def _is_log_step(self, step: int) -> bool:
         return step % self.cfg.trainer.log_every == 0 or step == self.max_steps
 
@@ -413,90 +333,34 @@ class Trainer:
             torch.cuda.synchronize(self.strategy.device)
         return time.perf_counter() - t0
 
-    def _memory_row(self) -> dict[str, float]:
-        """MiB, max over ranks (one collective): the process's peak RSS, the tensor bytes the
-        strategy holds (params, grads, optimizer state: comparable across strategies), and on
-        CUDA the allocator's peak."""
-        s, held = self.strategy, self.held_bytes
-        row = {"rss_peak_mb": rss_peak_bytes(), "held_params_mb": held.get("params", 0),
-               "held_grads_mb": held.get("grads", 0), "held_optim_mb": held.get("optimizer", 0)}
-        if s.device.type == "cuda":
-            row["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated(s.device)
-        values = [float(v) for v in row.values()]  # bytes: exact in float64 up to 8 PiB
-        if s.env.distributed:
-            t = torch.tensor(values, dtype=torch.float64, device=s.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            values = t.tolist()
-        return {k: v / 2**20 for k, v in zip(row, values)}
-
-    def _note_loss(self, loss: torch.Tensor) -> None:
-        """Remember the first step whose loss on this rank was not finite, on the device: no sync
-        here; it is agreed by `_check_finite` on log and save steps only."""
-        self._bad_loss_step.masked_fill_(~torch.isfinite(loss.detach()) & (self._bad_loss_step == _NEVER),
-                                         self.step)
-
-    @torch.no_grad()
-    def _check_finite(self, params: bool) -> None:
-        """Collective. Raises NonFiniteError on every rank if any rank saw a non-finite loss since
-        the run's start (all ranks agree on the first such step), or with `params`, if any
-        rank's parameters are not finite now."""
-        s = self.strategy
-        bad = [self._bad_loss_step]
-        if params:
-            local = [local_tensor(p) for p in {id(p): p for part in s.unwrapped() for p in part.parameters()}.values()]
-            finite = torch.stack([p.isfinite().all() for p in local]).all() if local else torch.tensor(True)
-            bad.append(torch.where(finite, _NEVER, self.step))
-        flags = torch.stack(bad)
-        if s.env.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        loss_step, param_step = (flags.tolist() + [_NEVER])[:2]
-        if loss_step == _NEVER and param_step == _NEVER:
-            return
-        what = (f"the loss became non-finite (nan or inf) at step {loss_step}" if loss_step != _NEVER
-                else f"the parameters became non-finite (nan or inf) in the update of step {param_step}")
-        raise NonFiniteError(what, self.last_snapshot)
-
     def _save_checked(self) -> Path:
-        self._check_finite(params=True)  # never snapshot a diverged state: it would become the resume point
+        self.finite.check(self.step, self.last_snapshot, params=True)  # never snapshot a diverged state: it would become the resume point
         return self.save_snapshot()
 
-    def train(self) -> dict:
+    def train(self) -> RunSummary:
         """The step loop. When `self.stop_request` records a signal, every rank stops after the same
-        step and saves a snapshot of it; the summary then holds `stopped` (the signal number) and
-        `snapshot`. Raises NonFiniteError (on every rank) instead of saving a non-finite state."""
-        t = self.cfg.trainer
-        s = self.strategy
-        tokens_per_step = t.batch_size * self.cfg.model.block_size
+        step and saves a snapshot of it (the summary's `stopped` and `snapshot`). Raises
+        NonFiniteError (on every rank) instead of saving a non-finite state."""
+        t, s = self.cfg.trainer, self.strategy
         progress = Progress(self.max_steps, self.step, enabled=s.is_tracker)
-        window_time, window_steps, window_means = 0.0, 0, []
-        tokens_per_sec = 0.0
+        window, tokens_per_sec = StepWindow(), 0.0
         vote = StopVote(self.stop_request, s.env.distributed)
-        self._bad_loss_step = torch.full((), _NEVER, dtype=torch.int64, device=s.device)
         stopped, snapshot = 0, None
         while self.step < self.max_steps:
             t0 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
             loss, norm = self.train_step()
-            self._poison_if_asked()
-            self._note_loss(loss)
-            window_time += self._step_seconds(t0)  # train step only: eval/save excluded
-            window_steps += 1
-            row = {}
+            poison_if_asked(self.step, s.env.rank, next(s.unwrapped()[0].parameters()))
+            self.finite.note_loss(loss, self.step)
+            window.add(self._step_seconds(t0))  # train step only: eval/save excluded
             last = self.step == self.max_steps
             stop = vote.result()
-            if self.step % t.log_every == 0 or last:
-                self._check_finite(params=False)
-                loss_v = float(s.reduce_mean(loss))
-                tokens_per_sec = tokens_per_step * window_steps / window_time
-                window_means.append(window_time / window_steps)
-                row.update(loss=loss_v, lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
-                           mfu=self.peak.mfu(self.flops_per_token, tokens_per_sec, s.num_devices),
-                           step_time_ms=1000 * window_means[-1], **self._memory_row())
+            row = self._log_row(loss, norm, lr, window) if self._is_log_step(self.step) else {}
+            if row:
+                tokens_per_sec = row["tokens_per_sec"]
                 progress.update(self.step, row)
-                window_time, window_steps = 0.0, 0
             if self.step % t.eval_every == 0 or last:
-                self.last_val_loss = self.evaluate()
-                row["val_loss"] = self.last_val_loss
+                self.last_val_loss = row["val_loss"] = self.evaluate()
                 progress.message(f"step {self.step}: val loss {self.last_val_loss:.4f}")
             if row:
                 self.tracker.log(self.step, row)
@@ -509,20 +373,25 @@ class Trainer:
                 vote.start()
         progress.close()
         if stopped:
-            return {"final_step": self.step, "stopped": stopped, "snapshot": str(snapshot)}
+            return RunSummary(self.step, stopped=stopped, snapshot=str(snapshot))
         if self.last_val_loss is None:  # resumed at max_steps: nothing trained, still report it
             self.last_val_loss = self.evaluate()
-        # per log window: on CUDA only a window's end is synchronized, so single steps are not timed
-        med = sorted(window_means)[len(window_means) // 2] if window_means else 0.0
-        return {"final_step": self.step, "val_loss": self.last_val_loss,
-                "median_step_ms": 1000 * med, "tokens_per_sec": tokens_per_sec}
+        return RunSummary(self.step, val_loss=self.last_val_loss, median_step_ms=1000 * window.median(),
+                          tokens_per_sec=tokens_per_sec)
+
+    def _log_row(self, loss: torch.Tensor, norm: torch.Tensor, lr: float, window: "StepWindow") -> dict:
+        """Collective. The metrics of a log step: the loss averaged over ranks, speed over the
+        window since the last log step, memory (max over ranks). Checks the loss is finite first."""
+        s = self.strategy
+        self.finite.check(self.step, self.last_snapshot, params=False)
+        seconds = window.close()
+        tokens_per_sec = self.cfg.trainer.batch_size * self.cfg.model.block_size / seconds
+        return dict(loss=float(s.reduce_mean(loss)), lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
+                    mfu=self.peak.mfu(self.model_cost.flops_per_token, tokens_per_sec, s.num_devices),
+                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes))
 
     # ------------------------------------------------------------------ outputs
 
     def write_model(self, path: Path, sd: dict) -> None:
-        """model.pt: plain tensors + configs + tokenizer, loadable with torch.load(weights_only=True);
-        written to a temporary name and renamed, so a reader never sees half a file."""
-        payload = self.state_meta().model_file(sd)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
-        tmp.replace(path)
+        """model.pt of these weights (snapshots/model_file.py: whole or not at all)."""
+        write_model_file(path, ModelFile.from_snapshot(self.state_meta(), sd))

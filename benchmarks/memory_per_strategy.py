@@ -39,8 +39,8 @@ def worker(overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from config import load_config
-    from main import DEFAULT_CONFIG, build_trainer
+    from config import DEFAULT_CONFIG, load_config
+    from launch.build import build_trainer
     from parallel.env import init_distributed
 
     rows = []
@@ -83,7 +83,6 @@ def worker(overrides: list[str]) -> None:
 def zero_redundancy_row(cfg, env, vocab_size: int):
     """torch's ZeroRedundancyOptimizer over DDP: each rank gets WHOLE parameter tensors (greedy by
     size), so its share of the 8a of Adam state depends on how the tensor sizes pack."""
-    import dataclasses
 
     import torch
     import torch.distributed as dist
@@ -94,8 +93,7 @@ def zero_redundancy_row(cfg, env, vocab_size: int):
     from parallel.strategy import resident_bytes
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab_size, **{k: v for k, v in dataclasses.asdict(cfg.model).items()
-                                                  if k != "init_from"}))
+    model = GPT(GPTConfig.of(cfg.model, vocab_size))
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
     x = torch.randint(0, vocab_size, (2, cfg.model.block_size))

@@ -56,9 +56,9 @@ def measure(overrides: list[str], steps: int, warmup: int, run_dir: Path) -> dic
     """Collective: (mean bubble over ranks and timed steps, median step ms) for one layout."""
     import torch
     import torch.distributed as dist
+    from launch.build import build_trainer
 
     from config import load_config
-    from main import build_trainer
     from parallel.env import init_distributed
 
     cfg = load_config(None, overrides + [f"trainer.run_dir={run_dir}"])

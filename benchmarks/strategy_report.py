@@ -138,8 +138,8 @@ def planner_kind(call, groups: dict[tuple[int, ...], str]) -> str:
 
 def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
     import torch.distributed as dist
+    from launch.build import build_trainer
 
-    from main import build_trainer
     from parallel.env import init_distributed
 
     cfg = config(overrides, run_dir)

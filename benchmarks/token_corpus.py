@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import prepare  # noqa: E402
 from char_dataset import Batching, TokenDataset  # noqa: E402
-from corpus.token_files import max_token, open_token_corpus, probe, sha256_file  # noqa: E402
+from corpus.token_files import max_token, open_token_corpus, probe  # noqa: E402
+from storage.files import sha256_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

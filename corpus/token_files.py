@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import SIDECAR, UsageError, token_corpus_kind
+from config import UsageError
+from corpus.kinds import SIDECAR, token_corpus_kind
 
 FORMAT = "mingpt-parallel tokens"
 VERSION = 1
@@ -167,14 +168,6 @@ def max_token(path: Path, dtype: str) -> tuple[int, int]:
                 biggest, where = int(ids[i]), pos + i
             pos += ids.size
     return biggest, where
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(SCAN_BYTES):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- reading

@@ -196,7 +196,7 @@ def vocab_size(cfg: Config) -> tuple[int, str]:
             return len(record["chars"]), f"characters in {stored}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    from char_dataset import corpus_cache_path  # imports torch: only for char vocabularies
+    from corpus.text import corpus_cache_path  # imports torch: only for char vocabularies
     path = Path(cfg.data.path).expanduser()
     if cfg.data.path.startswith(("http://", "https://")):
         path = corpus_cache_path(cfg.data)

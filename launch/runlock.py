@@ -31,6 +31,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from config import UsageError
+from parallel.env import restart_count
 
 LOCK_FILE = "launch.lock"
 RESTART_LOCK_WAIT_S = 150.0  # above NFSv4's default 90 s lease (module doc)
@@ -38,7 +39,7 @@ RESTART_LOCK_WAIT_S = 150.0  # above NFSv4's default 90 s lease (module doc)
 
 def restart_lock_wait() -> float:
     """Seconds this launch may wait for the lock: RESTART_LOCK_WAIT_S in a torchrun restart, else 0."""
-    return RESTART_LOCK_WAIT_S if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 else 0.0
+    return RESTART_LOCK_WAIT_S if restart_count() > 0 else 0.0
 
 
 class RunLock:

@@ -1,10 +1,12 @@
 """What a launch stopped by SIGTERM or SIGINT (Ctrl-C, preemption) prints: one closing line per job
 that names what was saved and the exact command that resumes.
 
-During training main.py only records the signal (trainer.StopRequest): every rank stops after one
+During training only the signal is recorded (`StopRequest`): every rank stops after one
 agreed step and saves it. Outside the step loop (start-up, the outputs after training) there is no
 step to agree on, so the first signal raises `Interrupted` at once, as Python's KeyboardInterrupt
-would, and main.py turns it into one line instead of a traceback from every rank."""
+would, and main.py turns it into one line instead of a traceback from every rank.
+
+This module imports nothing heavy: main.py installs its handlers before torch loads."""
 from __future__ import annotations
 
 import os
@@ -107,3 +109,15 @@ def interrupted_line(signum: int, command: str | None, final_snapshot: str | Non
                 f"be missing; to write model.pt: python export.py --run-dir {shlex.quote(str(run_dir))}")
     how = f"to relaunch: {command}" if command else "run the same command again to relaunch"
     return f"stopped by {name} during start-up: this launch saved nothing; {how}"
+
+
+class StopRequest:
+    """A signal handler (launch/app.py installs it for SIGTERM and SIGINT during training) that only records the first
+    signal's number. Nothing is interrupted: not a step, not a collective, not a snapshot write
+    (a second signal during the stop snapshot changes nothing); the loop reads it between steps."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.signum = self.signum or signum

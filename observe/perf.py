@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from storage.files import atomic_write_text
+
 # Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets: (bf16/fp16 tensor cores, fp32
 # matmuls as run here: TF32 tensor cores where the GPU has them, else plain fp32). Matched against
 # torch.cuda.get_device_name in this order, first match wins: a variant before its family ("H100
@@ -144,14 +146,9 @@ def _write_peak_cache(path: Path, key: str, flops: float) -> None:
     (read-only home) is skipped: the next start-up measures again."""
     peaks = _read_peak_cache(path)
     peaks[key] = flops
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
+    with contextlib.suppress(OSError):  # e.g. a folder this user may not even look into
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):  # e.g. a folder this user may not even look into
-            tmp.unlink(missing_ok=True)
+        atomic_write_text(path, json.dumps(peaks, indent=1, sort_keys=True) + "\n")
 
 
 def measure_cpu_peak(precision: str, rounds: int = 3, min_seconds: float = 0.1) -> float:

@@ -20,7 +20,7 @@ and is still the same run; a manual launch without a snapshot is a new run.
 wandb failures (no network, bad key, service down) never stop training: one warning line, then
 wandb is off for the rest of the launch while metrics.jsonl goes on. The API key is never printed
 or written: wandb reads it from the environment itself, and warning texts are redacted. Credentials
-in a data.path URL are redacted (config.redact_url) in the config and in the command line that
+in a data.path URL are redacted (observe/redact.py) in the config and in the command line that
 wandb records.
 """
 from __future__ import annotations
@@ -38,7 +38,10 @@ from typing import Callable, TextIO
 
 from tqdm import tqdm
 
-from config import Config, redact_url
+from config import Config
+from observe.redact import redact_url
+from parallel.env import restart_count
+from storage.files import atomic_write_text
 
 TRACKER_FILE = "tracker.json"
 METRICS_FILE = "metrics.jsonl"
@@ -66,7 +69,7 @@ def wandb_timeout() -> float:
 
 
 def is_elastic_restart() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    return restart_count() > 0
 
 
 def _read_json(path: Path) -> dict:
@@ -106,9 +109,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
             keep.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in keep), durable=True)
 
 
 class NullTracker:
@@ -202,9 +203,8 @@ class RunTracker(NullTracker):
     # ------------------------------------------------------------------ logging
 
     def _save_state(self) -> None:
-        tmp = self.state_path.with_name(TRACKER_FILE + ".tmp")
-        tmp.write_text(json.dumps({"run_id": self.run_id, "last_logged_step": self.last_logged_step}))
-        os.replace(tmp, self.state_path)
+        atomic_write_text(self.state_path, json.dumps({"run_id": self.run_id,
+                                                       "last_logged_step": self.last_logged_step}))
 
     def log(self, step: int, metrics: dict) -> None:
         """One row: to metrics.jsonl always, to wandb only if the wandb run lacks this step."""

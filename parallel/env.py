@@ -17,6 +17,12 @@ import torch.distributed as dist
 from config import Config, UsageError
 
 
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted this worker group (TORCHELASTIC_RESTART_COUNT;
+    0 on a first launch and outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 @dataclass
 class DistEnv:
     rank: int = 0
@@ -93,7 +99,7 @@ def _rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dis
                               multi_tenant=True)
     single_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1
     if agent_store and single_node:
-        return dist.PrefixStore(f"mingpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        return dist.PrefixStore(f"mingpt/attempt{restart_count()}", store)
     if rank == 0 and (advice := shared_store_advice(os.environ)):
         warnings.warn(advice, stacklevel=2)
     return store

@@ -80,7 +80,7 @@ def _model_split_problems(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -
     size: Layout.of)."""
     if p.sequence_parallel and m.block_size % p.tp:
         yield (f"model.block_size={m.block_size} is not divisible by parallel.tp={p.tp}; "
-                         f"sequence parallelism splits the sequence across tensor-parallel ranks")
+               f"sequence parallelism splits the sequence across tensor-parallel ranks")
     if p.pp == 1:
         return
     stages = p.pp * p.pp_stages_per_rank
@@ -88,32 +88,32 @@ def _model_split_problems(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -
         parts = p.pp_split.split(",")
         if not all(s.strip().isdigit() and int(s) >= 1 for s in parts):
             yield (f"parallel.pp_split='{p.pp_split}' must be comma-separated block counts "
-                             f">= 1, e.g. '3,1'")
+                   f">= 1, e.g. '3,1'")
         if len(parts) != stages:
             yield (f"parallel.pp_split='{p.pp_split}' has {len(parts)} stages but pp x "
-                             f"pp_stages_per_rank = {stages}; give {stages} counts")
+                   f"pp_stages_per_rank = {stages}; give {stages} counts")
         if sum(int(s) for s in parts) != m.n_layer:
             yield (f"parallel.pp_split='{p.pp_split}' sums to {sum(int(s) for s in parts)} "
-                             f"blocks but model.n_layer={m.n_layer}; make the counts add up to n_layer")
+                   f"blocks but model.n_layer={m.n_layer}; make the counts add up to n_layer")
     elif m.n_layer < stages:
         yield (f"model.n_layer={m.n_layer} is fewer than the {stages} pipeline stages (pp x "
-                         f"pp_stages_per_rank); every stage needs a block: lower parallel.pp")
+               f"pp_stages_per_rank); every stage needs a block: lower parallel.pp")
     elif m.n_layer % stages:
         yield (f"model.n_layer={m.n_layer} does not split evenly into {stages} pipeline stages "
-                         f"(pp x pp_stages_per_rank); set parallel.pp_split, e.g. "
-                         f"'{','.join(str(len(c)) for c in _even_chunks(m.n_layer, stages))}'")
+               f"(pp x pp_stages_per_rank); set parallel.pp_split, e.g. "
+               f"'{','.join(str(len(c)) for c in _even_chunks(m.n_layer, stages))}'")
     if p.pp_schedule in ("gpipe", "1f1b") and p.pp_stages_per_rank != 1:
         yield (f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank; set "
-                         f"parallel.pp_stages_per_rank=1 or use interleaved_1f1b")
+               f"parallel.pp_stages_per_rank=1 or use interleaved_1f1b")
     if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
         yield ("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2; "
-                         "set it to 2, or use 1f1b")
+               "set it to 2, or use 1f1b")
     if p.pp_schedule == "zero_bubble" and t.compile:
         yield ("parallel.pp_schedule=zero_bubble splits backward into input and weight passes, "
-                         "which torch.compile does not support; set trainer.compile=false or use 1f1b")
+               "which torch.compile does not support; set trainer.compile=false or use 1f1b")
     if p.microbatches and p.pp_schedule != "gpipe" and p.microbatches < p.pp:
         yield (f"parallel.microbatches={p.microbatches} is below parallel.pp={p.pp}; "
-                         f"{p.pp_schedule} needs at least one micro-batch per stage (or use gpipe)")
+               f"{p.pp_schedule} needs at least one micro-batch per stage (or use gpipe)")
 
 
 def _even_chunks(n: int, k: int) -> list[range]:
@@ -125,7 +125,7 @@ def _option_problems(p: ParallelConfig) -> Iterator[str]:
     for key, owners in _STRATEGY_ONLY.items():
         if getattr(p, key) != getattr(defaults, key) and p.strategy not in owners:
             yield (f"parallel.{key} only applies to parallel.strategy="
-                             f"{' or '.join(owners)}, not '{p.strategy}'; remove it or change strategy")
+                   f"{' or '.join(owners)}, not '{p.strategy}'; remove it or change strategy")
     # Within zero, buckets mean something only where ZeRO-1/2's own engine is used (stage 3 is
     # FSDP2, which gathers and reduces per fully_shard group).
     zero_stages = {"bucket_cap_mb": (1, 2)}
@@ -133,7 +133,7 @@ def _option_problems(p: ParallelConfig) -> Iterator[str]:
         for key, stages in zero_stages.items():
             if getattr(p, key) != getattr(defaults, key) and p.zero_stage not in stages:
                 yield (f"parallel.{key} only applies to parallel.zero_stage="
-                                 f"{' or '.join(map(str, stages))}, not {p.zero_stage}; remove it")
+                       f"{' or '.join(map(str, stages))}, not {p.zero_stage}; remove it")
     pp_only = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")
     if p.pp == 1:
         for key in pp_only:

@@ -95,9 +95,7 @@ class Strategy:
     # ------------------------------------------------------------------ setup
 
     def setup(self, model: GPT) -> None:
-        """Record what the whole model costs (before any split), then place it on the layout."""
-        self.flops_per_token = model.flops_per_token()
-        self.num_params = model.num_params(exclude_position=False)
+        """Place the model on the layout (what it costs whole: GPT.cost, read before this call)."""
         self._runner = parallelize(model, self.cfg, self.layout, self.mesh, self.env, self.wrap_data_parallel)
 
     @property

@@ -63,12 +63,20 @@ class ElementShardedZero(Strategy):
                 f"bucket {self.cfg.parallel.bucket_cap_mb:g} MB)")
 
     def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
-        """`module` under ZeroDataParallel, with this rank's shard plan (the optimizer, the
-        collectives and the state dicts all read it: `self.plan`)."""
+        """`module` under ZeroDataParallel, with this rank's shard plan."""
         group = self.mesh["dp"].get_group() if self.dp_size > 1 else None
-        self.plan = ShardPlan([module], decay_groups([module], self.cfg.optimizer.weight_decay), self.dp_size,
-                              self.dp_rank, self.cfg.parallel.bucket_cap_mb, group)
-        return ZeroDataParallel(module, self.plan, keep_full_grads=self.stage == 1)
+        plan = ShardPlan([module], decay_groups([module], self.cfg.optimizer.weight_decay), self.dp_size,
+                         self.dp_rank, self.cfg.parallel.bucket_cap_mb, group)
+        return ZeroDataParallel(module, plan, keep_full_grads=self.stage == 1)
+
+    @property
+    def plan(self) -> ShardPlan:
+        """This rank's shard plan (the optimizer, the collectives and the state dicts all read it),
+        held by the wrapped module: ZeRO-1/2 run without pipeline stages (Layout.of), so there is
+        one."""
+        wrapped = self.runner.wrapped
+        assert isinstance(wrapped, ZeroDataParallel), type(wrapped)
+        return wrapped.plan
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW over this rank's slices."""

@@ -4,7 +4,7 @@ In: `model.init_from=PATH` starts a new run from the weights of a local Hugging 
 (config.json + model.safetensors, as `save_pretrained` writes it) or of a run's model.pt. Nothing
 is unpickled: safetensors for the folder, `torch.load(weights_only=True)` for model.pt. The
 source's shape and tokenizer must agree with the config (one line naming every difference).
-Out: `write_hf` writes a model.pt payload as a folder `transformers.GPT2LMHeadModel.from_pretrained`
+Out: `write_hf` writes a model.pt's contents as a folder `transformers.GPT2LMHeadModel.from_pretrained`
 loads, without needing transformers here.
 
 Hugging Face's GPT-2 keeps GPT-2's original layout: q, k and v fused in one `c_attn`, and every
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,8 @@ import safetensors.torch
 import torch
 
 from config import UsageError
+from snapshots.model_file import ModelFile, read_model_file
+from storage.files import atomic_write
 
 GPT2_VOCAB = 50257  # the GPT-2 BPE (tiktoken r50k_base): what a Hugging Face GPT-2 folder tokenizes with
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
@@ -51,18 +52,8 @@ def open_source(path_text: str) -> Source:
 
 
 def _open_model_pt(path: Path) -> Source:
-    try:
-        with warnings.catch_warnings():  # torch warns about odd pickle headers: the one line below says it
-            warnings.simplefilter("ignore")
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"model.init_from {path} is not a readable model.pt ({type(e).__name__}); "
-                         f"give a run's model.pt or a Hugging Face GPT-2 folder") from None
-    if not isinstance(payload, dict) or not {"model", "model_config", "tokenizer"} <= payload.keys():
-        raise UsageError(f"model.init_from {path} is not a model.pt of this project (no model, "
-                         f"model_config or tokenizer); export one with python export.py")
-    return Source(path, dict(payload["model_config"]), dict(payload["tokenizer"]),
-                  {k: v.float() for k, v in payload["model"].items()})
+    mf = read_model_file(path, who="model.init_from ", fix="give a run's model.pt or a Hugging Face GPT-2 folder")
+    return Source(path, mf.model_config, mf.tokenizer, {k: v.float() for k, v in mf.model.items()})
 
 
 def _open_hf(path: Path) -> Source:
@@ -228,13 +219,22 @@ def load_initial(model, src: Source) -> None:
 # ----------------------------------------------------------------------------- out
 
 
-def write_hf(payload: dict, out: Path) -> None:
-    """config.json + model.safetensors (+ the tokenizer record) of a model.pt payload."""
-    m = payload["model_config"]
-    sd = payload["model"]
-    c = m["n_embd"]
+def write_hf(model_file: ModelFile, out: Path) -> None:
+    """config.json + model.safetensors (+ the tokenizer record) of a model.pt's contents."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder for the Hugging Face export")
+    tensors = _hf_tensors(model_file.model, model_file.model_config)
+    config = _hf_config(model_file.model_config, gpt2=model_file.tokenizer.get("kind") == "gpt2")
+    out.mkdir(parents=True, exist_ok=True)
+    record = json.dumps(model_file.tokenizer, ensure_ascii=False)
+    _atomic(out / "model.safetensors", lambda p: safetensors.torch.save_file(tensors, p, metadata={"format": "pt"}))
+    _atomic(out / TOKENIZER_FILE, lambda p: p.write_text(record, encoding="utf-8"))
+    _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
+
+
+def _hf_tensors(sd: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
+    """Our parameter names -> GPT2LMHeadModel's (its Conv1D layers hold the transposed weights)."""
+    c = m["n_embd"]
 
     def bias(name: str, n: int) -> torch.Tensor:
         # Hugging Face's GPT-2 always has biases: a bias=False model gets zeros, the same function.
@@ -257,11 +257,15 @@ def write_hf(payload: dict, out: Path) -> None:
     t["transformer.ln_f.bias"] = bias("ln_f.bias", c)
     if not m["tie_weights"]:
         t["lm_head.weight"] = sd["lm_head.weight"]
-    gpt2 = payload["tokenizer"].get("kind") == "gpt2"
+    return {k: v.detach().cpu().contiguous().clone() for k, v in t.items()}  # no shared storage
+
+
+def _hf_config(m: dict, gpt2: bool) -> dict:
+    """GPT2Config's fields for a model of shape `m` (`gpt2`: the GPT-2 BPE vocabulary)."""
     drop = m.get("dropout", 0.0)
-    config = {
+    return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
-        "n_positions": m["block_size"], "n_embd": c, "n_layer": m["n_layer"], "n_head": m["n_head"],
+        "n_positions": m["block_size"], "n_embd": m["n_embd"], "n_layer": m["n_layer"], "n_head": m["n_head"],
         "n_inner": None, "activation_function": "gelu_new" if m.get("gelu", "erf") == "tanh" else "gelu",
         "resid_pdrop": drop, "embd_pdrop": drop, "attn_pdrop": drop, "layer_norm_epsilon": LAYER_NORM_EPS,
         "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
@@ -269,20 +273,11 @@ def write_hf(payload: dict, out: Path) -> None:
         # <|endoftext|> of the GPT-2 BPE; a char vocabulary has no such token
         "bos_token_id": GPT2_VOCAB - 1 if gpt2 else None, "eos_token_id": GPT2_VOCAB - 1 if gpt2 else None,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in t.items()}  # no shared storage
-    record = json.dumps(payload["tokenizer"], ensure_ascii=False)
-    _atomic(out / "model.safetensors", lambda p: safetensors.torch.save_file(tensors, p, metadata={"format": "pt"}))
-    _atomic(out / TOKENIZER_FILE, lambda p: p.write_text(record, encoding="utf-8"))
-    _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
 
 
 def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
     # safetensors creates its file readable by the owner only; the folder is meant to be shared
     # like any file this user writes, so give every file the mode the umask allows.
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(tmp, 0o666 & ~mask)
-    os.replace(tmp, path)
+    atomic_write(path, write, mode=0o666 & ~mask)

@@ -36,12 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
-import signal
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,77 +49,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from config import UsageError
+from launch.faults import fault_point
+from snapshots.meta import FORMAT_VERSION, META, SnapshotMeta, step_dir_name
 from snapshots.reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
+from storage.files import atomic_write_text, fsync_dir, sha256_file
 
-META = "meta.json"
 DAMAGED = "damaged"  # snapshots/damaged/<name>: damaged snapshots moved aside, never loaded
-# 2: only tensors in DCP, param groups in meta.json["nontensor_state"] (1 had pickled param groups)
-FORMAT_VERSION = 2
-
-
-@dataclass
-class SnapshotMeta:
-    """The run's record in a snapshot's meta.json: enough to resume it, to refuse a launch that
-    would be another run (data stream, model shape), and to rebuild the model and tokenizer
-    without the config file."""
-    step: int
-    config: dict  # the whole resolved config (Config.to_dict)
-    model_config: dict  # GPTConfig as a dict
-    tokenizer: dict  # the tokenizer record (char vocabulary or gpt2)
-    fingerprint: str  # Config.model_fingerprint(): what fixes the parameter shapes
-    data_position: dict  # {"step", **Trainer.data_stream()}: batches are a pure function of these
-    world_size: int
-    strategy: str  # parallel.strategy of the writer
-    mesh: dict  # {"pp", "dp", "tp"} of the writer: its RNG streams belong to that layout
-    scaler: dict | None = None  # fp16 grad scaler state
-    tracker_run_id: str | None = None  # the wandb run a resume continues
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def model_file(self, state_dict: dict) -> dict:
-        """The payload of model.pt for these weights: plain tensors and plain data, so that
-        torch.load(weights_only=True) reads it (sample.py load_model_pt)."""
-        return {"model": state_dict, "model_config": self.model_config, "config": self.config,
-                "tokenizer": self.tokenizer, "step": self.step}
-
-    @classmethod
-    def from_record(cls, record: dict) -> "SnapshotMeta":
-        """From a validated meta.json (which also holds this module's own keys: files, format)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in record.items() if k in names})
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_tensors(path: Path, state: dict, distributed: bool = False) -> None:
@@ -241,7 +173,7 @@ def validate_snapshot(path: Path) -> tuple[dict | None, str]:
             return None, f"missing file {name}"
         if f.stat().st_size != rec["size"]:
             return None, f"file {name} has the wrong size (truncated?)"
-        if _file_digest(f) != rec["sha256"]:
+        if sha256_file(f) != rec["sha256"]:
             return None, f"file {name} fails its checksum"
     if ".metadata" not in meta["files"]:
         return None, "no DCP metadata"
@@ -320,7 +252,7 @@ class SnapshotManager:
         self._barrier()
         with _quiet_single_process():
             dcp.save(tensors or {}, checkpoint_id=str(tmp), no_dist=not self.distributed)
-        _fault_point("save", step, self.rank)
+        fault_point("save", step, self.rank)
         self._barrier()  # every rank's shards are on disk
         if self.rank == 0:
             files = {}
@@ -328,17 +260,18 @@ class SnapshotManager:
                 if f.is_file():
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
-                    files[f.name] = {"size": f.stat().st_size, "sha256": _file_digest(f)}
-            _write_json_atomic(tmp / META, {**meta.to_dict(), "format": FORMAT_VERSION, "step": step,
-                                            "nontensor_state": rest or {}, "files": files})
-            _fsync_dir(tmp)
+                    files[f.name] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+            record = {**meta.to_dict(), "format": FORMAT_VERSION, "step": step,
+                      "nontensor_state": rest or {}, "files": files}
+            atomic_write_text(tmp / META, json.dumps(record, indent=1, ensure_ascii=False), durable=True)
+            fsync_dir(tmp)
             if final.exists():  # the valid one resumed from, or a damaged one skipped on resume
                 if self._verdict(final) == "":
                     shutil.rmtree(final)
                 else:
                     self._move_aside(final)
             os.rename(tmp, final)  # the commit point
-            _fsync_dir(self.snap_dir)
+            fsync_dir(self.snap_dir)
             self._verdicts[final.name] = ""
             self._prune()
         self._barrier()
@@ -440,26 +373,6 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable")
         yield
-
-
-def _fault_point(where: str, step: int, rank: int) -> str | None:
-    """Fault injection for the tests, MINGPT_FAULT=ACTION:WHERE:STEP:RANK (STEP may be '*'), on
-    the first launch attempt only, so a restarted group can finish. Actions done here: `kill`
-    SIGKILLs that rank (e.g. at WHERE=save: right after it wrote its shards of snapshot STEP, the
-    folder still temporary); `term` sends it a real SIGTERM at that moment. Any other matching
-    action is returned for the caller to do (trainer.py: `nan` at WHERE=update)."""
-    spec = os.environ.get("MINGPT_FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    action, at, at_step, at_rank = spec.split(":")
-    if at != where or at_step not in ("*", str(step)) or int(at_rank) != rank:
-        return None
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif action == "term":
-        print(f"[fault] rank {rank} sends itself SIGTERM at {where} of step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-    return action
 
 
 def _cuda_in_use() -> bool:

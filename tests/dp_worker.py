@@ -44,8 +44,9 @@ def whole_state(strategy, optimizer) -> dict:
 
 
 def build(overrides: str, run_dir: Path):
+    from launch.build import build_trainer
+
     from config import load_config
-    from main import build_trainer
     from parallel.env import init_distributed
     cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}", "trainer.resume=never"] + overrides.split())
     return build_trainer(cfg, init_distributed(cfg), run_dir)

@@ -127,7 +127,7 @@ def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: i
     import torch.distributed as dist
 
     from config import load_config
-    from main import build_trainer
+    from launch.build import build_trainer
     from parallel.env import init_distributed
 
     cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}"] + list(overrides))
@@ -151,7 +151,7 @@ def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: i
             first_params = _floats(s.full_model_state_dict())  # collective
     result = {"losses": losses, "grad_norms": norms, "grads": grads, "memory": memory,
               "first_params": first_params, "params": _floats(s.full_model_state_dict()),
-              "world": env.world_size, "num_params": s.num_params, "dp": s.dp_size}
+              "world": env.world_size, "num_params": trainer.model_cost.num_params, "dp": s.dp_size}
     if evaluate:
         result["val_loss"] = trainer.evaluate()
     return result

@@ -26,8 +26,9 @@ from harness import TINY  # noqa: E402
 
 
 def run_case(overrides: list[str], run_dir: Path) -> dict:
+    from launch.build import build_trainer
+
     from config import load_config
-    from main import build_trainer
     from parallel.env import init_distributed
 
     cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}", "trainer.device=cpu"] + overrides)

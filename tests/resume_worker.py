@@ -16,11 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.distributed as dist  # noqa: E402
+from launch.build import build_trainer  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 
 from config import load_config  # noqa: E402
 from harness import TINY  # noqa: E402
-from main import build_trainer  # noqa: E402
 from parallel.env import init_distributed  # noqa: E402
 
 COMMON = TINY + ["model.dropout=0.1", "optimizer.lr_decay_steps=20", "trainer.sample_tokens=0",

@@ -108,7 +108,9 @@ def test_lr_schedule_warmup_cosine_and_floor():
 
 
 def test_max_epochs_is_converted_to_steps(tmp_path):
-    from char_dataset import CharDataset, CharTokenizer, load_corpus
+    from char_dataset import CharDataset
+    from corpus.text import load_corpus
+    from corpus.tokenizers import CharTokenizer
     cfg = load_config(None, TINY + ["trainer.max_epochs=0.002", "trainer.max_steps=999"])
     text, _ = load_corpus(cfg.data)
     data = CharDataset(CharTokenizer.from_corpus(text).encode(text), 16, 0.1, 0)
@@ -124,7 +126,7 @@ def test_max_epochs_is_converted_to_steps(tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_steps_run_and_stay_finite(precision, tmp_path):
-    from main import build_trainer
+    from launch.build import build_trainer
     losses = {}
     for prec in ("fp32", precision):
         cfg = load_config(None, TINY + [f"trainer.precision={prec}", "parallel.strategy=none",

@@ -17,8 +17,9 @@ import torch
 import yaml
 
 import main as app
-from config import Config, load_config, redact_url
+from config import Config, load_config
 from harness import REPO, TINY, python
+from observe.redact import redact_url
 
 YAML_PATH = REPO / "gpt2_train_cfg.yaml"
 

@@ -13,16 +13,10 @@ import warnings
 import pytest
 import torch
 
-from char_dataset import (
-    Batching,
-    CharDataset,
-    CharTokenizer,
-    GPT2Tokenizer,
-    corpus_cache_path,
-    fallback_corpus,
-    load_corpus,
-)
+from char_dataset import Batching, CharDataset
 from config import DataConfig, UsageError
+from corpus.text import corpus_cache_path, fallback_corpus, load_corpus
+from corpus.tokenizers import CharTokenizer, GPT2Tokenizer
 from harness import TINY, python
 
 # ----------------------------------------------------------------------------- tokenizers

@@ -19,17 +19,25 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import export
 import main as app
-from char_dataset import Batching, CharDataset, load_corpus
+from char_dataset import Batching, CharDataset
 from config import load_config
+from corpus.text import load_corpus
+from corpus.tokenizers import tokenizer_from_dict
 from harness import TINY, torchrun
 from parallel.env import init_distributed
-from sample import load_model_pt
+from snapshots.model_file import read_model_file
 
 # A GPT-2 of the test size: 2 blocks, 2 heads (tp=2 splits them), the GPT-2 vocabulary.
 HF_SHAPE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)
 # The same shape as overrides; block_size 16 < n_positions 64 exercises the position crop.
 GPT2_RUN = ["data.tokenizer=gpt2", "model.n_layer=2", "model.n_head=2", "model.gelu=tanh",
             "trainer.log_every=1", "trainer.sample_tokens=0"]
+
+
+def load_model_pt(path):
+    """(model, tokenizer, payload) of a model.pt, as sample.py reads it."""
+    model_file = read_model_file(path)
+    return model_file.build_model(), tokenizer_from_dict(model_file.tokenizer), model_file.payload()
 
 
 @pytest.fixture(scope="module")

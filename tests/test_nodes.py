@@ -30,10 +30,10 @@ import pytest
 import torch
 
 import main as app
-from export import consolidate
 from harness import REPO, TINY, child_env, multiprocess_lock, worker_pids
 from multinode import LAUNCH_TIMEOUT_S, free_port, kill_tree, lose_node_after_snapshot, two_nodes, wait_all, wait_for
 from parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
+from snapshots.consolidate import consolidate
 
 STEPS = 60
 # log_every=1: a loss and a gradient norm for every step; snapshots every 10 steps.

@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import sys
 
-from char_dataset import corpus_cache_path
 from config import DataConfig
+from corpus.text import corpus_cache_path
 from harness import CORPUS, REPO, child_env, multiprocess_lock
 
 SHORT = ["trainer.max_steps=3", "trainer.eval_batches=2"]

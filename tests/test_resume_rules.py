@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch.build import build_trainer
 
 import main as app
 from config import load_config
 from harness import CORPUS, TINY, torchrun
-from main import build_trainer
 from parallel.env import init_distributed
 from snapshots.store import SnapshotManager
 from trainer import lr_at

@@ -16,8 +16,9 @@ import torch
 
 import main as app
 import prepare
-from char_dataset import Batching, CharTokenizer, GPT2Tokenizer, TokenDataset
+from char_dataset import Batching, TokenDataset
 from corpus.token_files import GPT2_VOCAB, SIDECAR, TokenFiles, open_token_corpus, probe
+from corpus.tokenizers import CharTokenizer, GPT2Tokenizer
 from harness import TINY, python
 from test_config import digests
 

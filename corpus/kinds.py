@@ -1,0 +1,46 @@
+"""Which kind of corpus `data.path` names, decided from the path alone. Imports nothing of the
+project: config.py's validation reads it."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:  # type names only: config.py imports this module
+    from config import DataConfig
+
+SIDECAR = "corpus.json"  # the record prepare.py writes into a token corpus folder (corpus/token_files.py)
+
+
+def token_corpus_kind(path: str) -> str:
+    """What kind of pre-tokenized corpus data.path names (corpus/token_files.py reads both): "bin" for
+    nanoGPT's raw uint16 train.bin, "folder" for prepare.py's output (a folder holding corpus.json,
+    or that file), "" for text (a file or URL; corpus/text.py refuses any other folder)."""
+    if path.startswith(("http://", "https://")):
+        return ""
+    if path.endswith(".bin"):
+        return "bin"
+    p = Path(path).expanduser()
+    return "folder" if p.name == SIDECAR or (p / SIDECAR).is_file() else ""
+
+
+def token_corpus_problems(d: DataConfig) -> Iterator[str]:
+    """Keys that mean something only for a text corpus, or only for a nanoGPT .bin (a token
+    corpus's split and length are fixed when it is prepared)."""
+    kind = token_corpus_kind(d.path)
+    if d.val_path and kind != "bin":
+        yield (f"data.val_path only applies when data.path is nanoGPT's train.bin, not "
+               f"'{d.path}'; remove it")
+    if d.val_path and not d.val_path.endswith(".bin"):
+        yield (f"data.val_path='{d.val_path}' must be nanoGPT's val.bin (raw uint16 ids, a .bin "
+               f"file); fix it or leave it empty for the val.bin beside data.path")
+    if kind == "bin" and d.tokenizer != "gpt2":
+        yield (f"data.path '{d.path}' is a nanoGPT .bin, which holds GPT-2 ids (its char "
+               f"vocabulary would be in meta.pkl, a pickle this project never reads): set "
+               f"data.tokenizer=gpt2, or tokenize the text with python prepare.py --tokenizer char")
+    if kind:
+        if d.truncate:
+            yield ("data.truncate counts characters of a text corpus, and data.path is a token "
+                   "corpus; remove it (prepare a shorter corpus instead)")
+        if d.val_fraction != type(d)().val_fraction:  # the default, without importing config at run time
+            yield (f"data.val_fraction splits a text corpus; a token corpus's split is fixed by "
+                   f"its files (prepare.py --val-fraction): remove data.val_fraction={d.val_fraction}")

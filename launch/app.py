@@ -1,0 +1,183 @@
+"""One launch of the training app, in the order main.py's doc gives: checks, the run folder, the
+Trainer, the start-up view, training, the outputs.
+
+`run` is what `python main.py` and every torchrun worker execute after parsing the command line.
+Nothing in the run folder is written before every check (resume's included) has passed, so a
+refused launch leaves the folder as it was. A stop signal during training stops every rank at one
+agreed step, saved (`train_until_stopped`, `stop_exit_code`); outside the step loop it is one line
+(launch/stopping.py).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+import warnings
+from pathlib import Path
+
+from config import Config, UsageError, dump_yaml, load_config
+from corpus.tokenizers import save_tokenizer
+from launch.build import TOKENIZER_FILE, build_trainer, fallback_corpus
+from launch.runlock import lock_run_dir
+from launch.sampling import SAMPLE_FILE, write_sample
+from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
+from model import GPT, GPTConfig
+from observe.redact import redact_url
+from parallel.env import DistEnv, init_distributed, shutdown
+from snapshots.model_file import MODEL_FILE
+from trainer import RunSummary, Trainer
+
+PLAN_ONLY_FLAGS = "--world-size, --device-memory, --plan-json and --explain"
+
+
+def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
+    """One launch. `keep_process_group`: leave the process group up at the end, for a caller that
+    runs several launches in one torchrun job (the tests' workers)."""
+    cfg = load_config(args.config, args.overrides)
+    if args.world_size is not None or args.device_memory is not None or args.plan_json or args.explain:
+        raise UsageError(f"{PLAN_ONLY_FLAGS} only apply with --plan; add --plan")
+    device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
+    env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
+    lock, trainer, summary = None, None, None
+    try:
+        corpus = fallback_corpus(cfg, env)  # may move run_dir: before the lock
+        run_dir = Path(cfg.trainer.run_dir).expanduser()
+        lock = lock_run_dir(run_dir, env.rank, env.distributed)  # before anything reads the folder
+        trainer = build_trainer(cfg, env, run_dir, corpus=corpus)
+        if not _resume(trainer, cfg, env, run_dir):
+            return 0
+        _start(args, cfg, env, trainer, run_dir)
+        summary = train_until_stopped(trainer)
+        if summary.stopped:
+            trainer.close_tracker()
+            if trainer.strategy.is_tracker:
+                print(stop_line(summary.stopped, summary.final_step, summary.snapshot,
+                                launch_command(cfg.trainer.resume == "never")), flush=True)
+            return stop_exit_code(summary.stopped, env.distributed)
+        _finish(cfg, env, trainer, summary, run_dir)
+    except Interrupted as e:  # a signal outside the step loop (stopping.py); main() ends the process
+        if env.rank == 0:  # one line per job: every rank got the same signal
+            final = str(trainer.last_snapshot) if summary is not None else None
+            # this launch saved nothing (or finished): its own command, trainer.resume as it was
+            print(interrupted_line(e.signum, launch_command(resume_never=False), final,
+                                   Path(cfg.trainer.run_dir).expanduser()), flush=True)
+        e.reported = True
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+        if not keep_process_group:
+            shutdown()
+    return 0
+
+
+def _resume(trainer: Trainer, cfg: Config, env: DistEnv, run_dir: Path) -> bool:
+    """Resume from the newest valid snapshot (trainer.resume). False: a finished run was
+    relaunched, which has nothing to do (one line says so; no eval, export, sample or tracker
+    run would be new)."""
+    meta = trainer.resume()
+    if meta is None and cfg.model.init_from and trainer.init_from is None:
+        # build_trainer skipped init_from because the folder holds snapshots (a resume wins),
+        # and the model is already split; none was valid, so rather than train from random
+        # weights, say how to start over from init_from.
+        raise UsageError(f"{run_dir / 'snapshots'} holds no valid snapshot to resume; move that folder "
+                         f"aside to start over from model.init_from")
+    if meta is not None and trainer.step >= trainer.max_steps:
+        if env.rank == 0:
+            print(trainer.nothing_left_message(), flush=True)
+        return False
+    return True
+
+
+def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer, run_dir: Path) -> None:
+    """Every check has passed: from here on this launch writes into the run folder."""
+    if env.rank == 0:
+        save_tokenizer(trainer.tokenizer, run_dir / TOKENIZER_FILE)
+    trainer.open_tracker()  # on the one rank that holds the reduced loss
+    if env.rank == 0:
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+        if args.print_config:
+            print(dump_yaml(cfg), end="", flush=True)
+        print(startup_view(args, cfg, env, trainer), flush=True)
+        if trainer.schedule_note:  # a resume whose LR schedule changed: says how, after the view
+            print(trainer.schedule_note, flush=True)
+
+
+def startup_view(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer) -> str:
+    """The few lines a launch prints before training (the whole config: --print-config and
+    <run_dir>/config.yaml). Printed only once every check has passed, so bad input shows only
+    its one error line."""
+    strategy, data, tok, t = trainer.strategy, trainer.data, trainer.tokenizer, cfg.trainer
+    start = (f"resumed from {trainer.resumed_from} at step {trainer.step}" if trainer.resumed_from else "from step 0") + \
+        (f", weights from {trainer.init_from}" if trainer.init_from else "")
+    return (f"config: {args.config} + {redact_url(' '.join(args.overrides)) or 'no overrides'} "
+            f"(resolved in {Path(t.run_dir).expanduser() / 'config.yaml'}; --print-config shows it)\n"
+            f"layout: world {env.world_size} = {strategy.describe()} | device {env.device}\n"
+            f"model: {trainer.model_cost.num_params:,} parameters | data: {trainer.data_source} | "
+            f"{data.train.numel():,} train / {data.val.numel():,} val tokens | vocab {tok.vocab_size} ({tok.kind})\n"
+            f"run: {trainer.max_steps} steps of {t.batch_size} x {cfg.model.block_size} = "
+            f"{t.batch_size * cfg.model.block_size:,} tokens | {start} | mfu peak {trainer.peak_label}")
+
+
+def train_until_stopped(trainer: Trainer) -> RunSummary:
+    """trainer.train() with SIGTERM and SIGINT recorded instead of killing the process, so a
+    preempted job stops at a step boundary with a snapshot (see Trainer.train). The default
+    handlers come back afterwards: export and sample run after the final snapshot, so a signal
+    there loses nothing. Once a signal was recorded, later ones are ignored until the launch ends:
+    a Ctrl-C reaches a torchrun worker twice (the terminal's, the agent's), and the stop prints one
+    line."""
+    if threading.current_thread() is not threading.main_thread():  # Python allows handlers only there
+        return trainer.train()
+    previous = {sig: signal.signal(sig, trainer.stop_request) for sig in STOP_SIGNALS}
+    try:
+        return trainer.train()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_IGN if trainer.stop_request.signum else handler)
+
+
+def stop_exit_code(signum: int, under_torchrun: bool) -> int:
+    """Exit code of a run stopped by a signal after saving. Under torchrun 0: the agent restarts
+    workers that exit non-zero (--max-restarts), which would undo a stop; when the agent itself
+    got the signal it exits non-zero on its own. A single process exits 128 + signal number,
+    as a shell reports a process ended by that signal, so `python main.py && next` stops."""
+    return 0 if under_torchrun else 128 + signum
+
+
+def _finish(cfg: Config, env: DistEnv, trainer: Trainer, summary: RunSummary, run_dir: Path) -> None:
+    """The outputs: consolidated weights, a short sample, the tracker's summary. The run is complete
+    here (its final snapshot is written), so a failure in rank 0's file writes is one warning,
+    never an exit code. The gather is a collective every rank enters, so it is not guarded: a rank
+    that failed inside it and went on would strand the others in it."""
+    strategy = trainer.strategy
+    sd = strategy.full_model_state_dict()
+    if env.rank == 0:
+        after_training("writing model.pt", lambda: trainer.write_model(run_dir / MODEL_FILE, sd),
+                       f"; python export.py --run-dir {run_dir} writes it from the final snapshot")
+        if cfg.trainer.sample_tokens:
+            after_training("the sample", lambda: _write_sample(trainer, sd, run_dir))
+    env.barrier()
+    if strategy.is_tracker:
+        sample_path = run_dir / SAMPLE_FILE
+        sample = after_training("reading the sample", lambda: sample_path.read_text(encoding="utf-8")) \
+            if sample_path.is_file() else None
+        trainer.close_tracker(summary, sample)
+        print(f"done: step {summary.final_step} | val loss {summary.val_loss:.4f} | "
+              f"outputs in {run_dir}", flush=True)
+
+
+def _write_sample(trainer: Trainer, sd: dict, run_dir: Path) -> None:
+    model = GPT(GPTConfig(**trainer.model_config))
+    model.load_state_dict(sd)
+    write_sample(model, trainer.tokenizer, trainer.cfg.trainer.sample_tokens, trainer.cfg.trainer.seed, run_dir)
+
+
+def after_training(what: str, fn, fix: str = ""):
+    """fn() for an output of a finished run; a failure is one warning line and returns None."""
+    try:
+        return fn()
+    except Exception as e:  # the run is complete: nothing here may turn it into a failed one
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        warnings.warn(redact_url(f"{what} failed after training ({type(e).__name__}: {first}); the run "
+                                 f"itself is complete{fix}"), stacklevel=2)
+        return None

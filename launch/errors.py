@@ -1,0 +1,75 @@
+"""How a launch ends when it refuses: one line, an exit code, and torchrun's error file.
+
+Bad input anywhere is a `UsageError` (config.py): one line on stderr (rank 0's), exit 2. A
+non-finite loss or weight is a `NonFiniteError` (observe/health.py): one line, exit 1. Any other
+exception is a bug and keeps its traceback. Under torchrun the same line goes to the worker's
+TORCHELASTIC_ERROR_FILE, the file torchrun's failure summary shows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from config import UsageError
+from observe.health import NonFiniteError
+
+# How long a rank other than 0 waits before reporting an error under torchrun, so rank 0 (which
+# meets the same bad input) reports it first and the agent stops the rest (it polls every 0.1 s).
+RANK0_FIRST_S = 3.0
+
+
+def one_line_warnings() -> None:
+    """Warnings print as 'warning: message', without the file and source line."""
+    def fmt(message, category, filename, lineno, line=None):
+        return f"warning: {message}\n"
+    warnings.formatwarning = fmt
+
+
+def exit_code(e: BaseException) -> int:
+    return 2 if isinstance(e, UsageError) else 1
+
+
+def error_line(e: BaseException) -> str | None:
+    """The one line a refused launch ends with: bad input (UsageError) or a non-finite loss; None
+    for any other exception (a bug: its traceback is the useful report)."""
+    if isinstance(e, UsageError):
+        return f"error: {e}"
+    if isinstance(e, NonFiniteError):
+        kept = (f"the newest snapshot {e.last_snapshot} stays the resume point" if e.last_snapshot
+                else "no snapshot was written, so a relaunch starts from step 0")
+        return (f"error: training stopped: {e.what}; nothing after it was saved and {kept}; lower "
+                f"optimizer.lr or trainer.grad_clip (or use trainer.precision=fp32) and relaunch")
+    return None
+
+
+class OneLineErrors(ErrorHandler):
+    """What `record` writes to this worker's TORCHELASTIC_ERROR_FILE, the file torchrun's failure
+    summary shows (its py_callstack; without a file: "To enable traceback see ..."). For our one-line
+    errors it holds that line instead of a traceback; other exceptions keep torch's traceback.
+
+    Every rank meets the same bad input at about the same time, and torchrun's summary names the
+    failure with the earliest error-file timestamp as root cause and lists every other failed rank
+    with its own message. So a rank other than 0 waits before writing: when rank 0 refused too, the
+    agent stops this rank during the wait (SIGTERM), and the line appears once in the summary (rank
+    0's) and once on stderr (only rank 0 prints it); when only this rank refused, the summary shows
+    its line after the wait."""
+
+    def initialize(self) -> None:  # faulthandler: only in a torchrun worker, not in a caller's process
+        if self._get_error_file_path():
+            super().initialize()
+
+    def record_exception(self, e: BaseException) -> None:
+        line, path = error_line(e), self._get_error_file_path()
+        if line is None:
+            return super().record_exception(e)
+        if not path:  # not a torchrun worker: nothing reads an error file
+            return None
+        if int(os.environ.get("RANK", "0")) != 0:
+            time.sleep(RANK0_FIRST_S)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)

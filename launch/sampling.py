@@ -1,0 +1,40 @@
+"""Text from a model: the sample a finished run writes (sample.txt) and what sample.py prints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from config import UsageError
+from model import GPT
+
+SAMPLE_FILE = "sample.txt"
+
+
+def default_prompt(tok) -> str:
+    """Where a sample starts when no prompt is given: a line start ("\n") when the vocabulary
+    has one, else its first token (a corpus without newlines has no "\n" token)."""
+    try:
+        if tok.encode("\n").numel() == 1:
+            return "\n"
+    except UsageError:
+        pass
+    return tok.decode([0])
+
+
+def generate_text(model: GPT, tok, prompt: str, tokens: int, temperature: float = 0.8,
+                  top_k: int | None = 200, seed: int = 1337) -> str:
+    ids = tok.encode(prompt)
+    if ids.numel() == 0:
+        raise UsageError("the prompt is empty after tokenization; give --prompt some text")
+    g = torch.Generator().manual_seed(seed)
+    out = model.generate(ids[None, :], tokens, temperature=temperature, top_k=top_k, generator=g)
+    return tok.decode(out[0].tolist())
+
+
+def write_sample(model: GPT, tok, tokens: int, seed: int, run_dir: Path) -> None:
+    """The end-of-run sample, from the default prompt, into <run_dir>/sample.txt and stdout."""
+    (run_dir / SAMPLE_FILE).unlink(missing_ok=True)  # an older launch's sample is not this run's
+    sample = generate_text(model.eval(), tok, prompt=default_prompt(tok), tokens=tokens, seed=seed)
+    (run_dir / SAMPLE_FILE).write_text(sample, encoding="utf-8")
+    print(f"--- sample ---\n{sample}\n--------------", flush=True)

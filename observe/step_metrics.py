@@ -1,0 +1,55 @@
+"""What a log step measures besides the loss: the speed of the steps since the last log step
+(`StepWindow`) and the memory a rank really uses (`memory_row`: metrics.jsonl's `*_mb` columns, MiB)."""
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parallel.strategy import Strategy
+
+
+def rss_peak_bytes() -> int:
+    """Peak resident set size of this process: every byte it touched (interpreter, libraries,
+    allocator caches, communication buffers), not only the training tensors."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def memory_row(strategy: Strategy, held: dict[str, int]) -> dict[str, float]:
+    """Collective over all ranks. MiB, max over ranks: the process's peak RSS, the tensor bytes
+    the strategy holds (`held`: Strategy.resident_bytes; params, grads, optimizer state:
+    comparable across strategies), and on CUDA the allocator's peak."""
+    row = {"rss_peak_mb": rss_peak_bytes(), "held_params_mb": held.get("params", 0),
+           "held_grads_mb": held.get("grads", 0), "held_optim_mb": held.get("optimizer", 0)}
+    if strategy.device.type == "cuda":
+        row["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated(strategy.device)
+    values = [float(v) for v in row.values()]  # bytes: exact in float64 up to 8 PiB
+    if strategy.env.distributed:
+        t = torch.tensor(values, dtype=torch.float64, device=strategy.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        values = t.tolist()
+    return {k: v / 2**20 for k, v in zip(row, values)}
+
+
+@dataclass
+class StepWindow:
+    """Train-step seconds since the last log step. On CUDA only a window's end is synchronized
+    (Trainer._step_seconds), so single steps are not timed: only windows are."""
+    seconds: float = 0.0
+    steps: int = 0
+    closed: list[float] = field(default_factory=list)  # seconds per step of each closed window
+
+    def add(self, seconds: float) -> None:
+        self.seconds, self.steps = self.seconds + seconds, self.steps + 1
+
+    def close(self) -> float:
+        """Seconds per step of this window; a new window starts."""
+        mean = self.seconds / self.steps
+        self.closed.append(mean)
+        self.seconds, self.steps = 0.0, 0
+        return mean
+
+    def median(self) -> float:
+        return sorted(self.closed)[len(self.closed) // 2] if self.closed else 0.0

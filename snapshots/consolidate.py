@@ -1,0 +1,52 @@
+"""One snapshot, any layout, reassembled into plain single-process tensors in one process.
+
+A snapshot written by any strategy (ddp, zero, fsdp, tp, pp, meshes) stores parameters under
+their plain names, sharded by DCP. Here one process, with no process group, builds the model
+from the snapshot's recorded shape and lets DCP reassemble every shard into it, through the
+restricted reader (nothing in the snapshot is unpickled). export.py writes the result as
+model.pt; sample.py --snapshot samples from it.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from config import UsageError
+from model import GPT, GPTConfig
+from snapshots.meta import SnapshotMeta, step_dir_name
+from snapshots.model_file import ModelFile
+from snapshots.reader import UnsafeSnapshot
+from snapshots.store import list_snapshots, load_tensors, other_format_refusal, validate_snapshot
+
+
+def consolidate(run_dir: Path, step: int | None) -> ModelFile:
+    """The model.pt contents from the snapshot at `step` (None: the newest valid one)."""
+    found = list_snapshots(run_dir / "snapshots")
+    snaps = found if step is None else [p for p in found if p.name == step_dir_name(step)]
+    if not snaps:
+        if not found:
+            raise UsageError(f"no snapshot {'at all' if step is None else f'at step {step}'} in "
+                             f"{run_dir / 'snapshots'}: there are none; check --run-dir (snapshots "
+                             f"are written every trainer.save_every steps and at the end)")
+        steps = ", ".join(str(int(p.name[len("step_"):])) for p in reversed(found))
+        raise UsageError(f"no snapshot at step {step} in {run_dir / 'snapshots'}; it has steps "
+                         f"{steps}: pick one with --step (or leave --step out for the newest)")
+    for path in snaps:
+        record, why = validate_snapshot(path)
+        if record is None:
+            if step is not None:
+                raise UsageError(other_format_refusal(path)
+                                 or f"snapshot {path} is damaged ({why}); pick another --step")
+            print(f"warning: skipping snapshot {path}: {why}", file=sys.stderr)
+            continue
+        meta = SnapshotMeta.from_record(record)
+        gpt_cfg = GPTConfig(**meta.model_config)
+        model = GPT(gpt_cfg)
+        state = {"model": dict(model.state_dict())}
+        try:  # tensors only, through the restricted reader: nothing in the snapshot is unpickled
+            load_tensors(path, state)
+        except UnsafeSnapshot as e:  # changed since validate_snapshot read it
+            raise UsageError(f"snapshot {path} is unsafe to load ({e}); pick another --step") from None
+        model.load_state_dict(state["model"])
+        return ModelFile.from_snapshot(meta, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    raise UsageError(f"no valid snapshot in {run_dir / 'snapshots'}; every one is damaged")

@@ -1,0 +1,69 @@
+"""model.pt: a run's weights as one plain file, built, written and read here and nowhere else.
+
+The payload is plain tensors and plain data (the model's state dict under its single-process
+names, the model shape, the resolved config, the tokenizer record, the step), so
+`torch.load(path, weights_only=True)` reads it and nothing is unpickled. main.py writes it at the
+end of a run, export.py from any snapshot; sample.py and `model.init_from` read it with the same
+checks.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from config import UsageError
+from model import GPT, GPTConfig
+from snapshots.meta import SnapshotMeta
+from storage.files import atomic_write
+
+MODEL_FILE = "model.pt"  # the run's final model, in its run folder
+_REQUIRED = ("model", "model_config", "tokenizer")
+
+
+@dataclass
+class ModelFile:
+    model: dict[str, torch.Tensor]  # single-process parameter names -> plain tensors
+    model_config: dict  # GPTConfig fields
+    tokenizer: dict  # the tokenizer record (corpus/tokenizers.py)
+    config: dict  # the resolved config of the run that trained it
+    step: int | None  # the optimizer step the weights are from (None: written before steps were recorded)
+
+    @classmethod
+    def from_snapshot(cls, meta: SnapshotMeta, state_dict: dict) -> "ModelFile":
+        return cls(state_dict, meta.model_config, meta.tokenizer, meta.config, meta.step)
+
+    def payload(self) -> dict:
+        return {"model": self.model, "model_config": self.model_config, "config": self.config,
+                "tokenizer": self.tokenizer, "step": self.step}
+
+    def build_model(self) -> GPT:
+        """The GPT these weights belong to, in eval mode."""
+        model = GPT(GPTConfig(**self.model_config))
+        model.load_state_dict(self.model)
+        return model.eval()
+
+
+def write_model_file(path: Path, model_file: ModelFile) -> None:
+    """Whole or not at all (a reader never sees half a file), and durable before it is named."""
+    atomic_write(path, lambda tmp: torch.save(model_file.payload(), tmp), durable=True)
+
+
+def read_model_file(path: Path, who: str = "", fix: str = "export it again with python export.py",
+                    mmap: bool = False) -> ModelFile:
+    """The model.pt at `path`, or a UsageError naming `who` reads it (e.g. 'model.init_from ') and `fix`."""
+    if not path.is_file():
+        raise UsageError(f"{who}{path} not found; train first (python main.py) or export a snapshot "
+                         f"(python export.py --run-dir ...)")
+    try:
+        with warnings.catch_warnings():  # torch warns about odd pickle headers: the one line below says it
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:
+        raise UsageError(f"{who}{path} is not a readable model.pt ({type(e).__name__}); {fix}") from None
+    if not isinstance(payload, dict) or not set(_REQUIRED) <= payload.keys():
+        raise UsageError(f"{who}{path} is not a model.pt of this project (no {', '.join(_REQUIRED)}); {fix}")
+    return ModelFile(payload["model"], dict(payload["model_config"]), dict(payload["tokenizer"]),
+                     dict(payload.get("config") or {}), payload.get("step"))

@@ -1,0 +1,65 @@
+"""The rules a resume follows, beyond loading tensors: which launches are the same run.
+
+A snapshot belongs to one run: one data stream (which tokens, in which order, which are held out)
+and one model shape. A launch that would change either is refused, naming every difference
+(`refuse_another_run`); a launch that resumes at its last step has nothing to do and says so
+(`nothing_left_message`). Safe changes (more steps, another layout or world size, another LR) are
+the Trainer's to apply.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from config import Config, UsageError
+from snapshots.meta import SnapshotMeta
+
+
+def nothing_left_message(cfg: Config, run_dir: Path, step: int, max_steps: int, decay_steps: int) -> str:
+    """The one line of a launch that resumed at or past its last step: nothing was run or written.
+    `decay_steps`: the cosine length that keeps the run's LR curve."""
+    t = cfg.trainer
+    end = (f"trainer.max_epochs={t.max_epochs} ({max_steps} steps)" if t.max_epochs > 0
+           else f"trainer.max_steps={max_steps}")
+    longer = "a larger trainer.max_epochs" if t.max_epochs > 0 else f"trainer.max_steps=N above {step}"
+    return (f"nothing left to train: {run_dir} is at step {step} and {end} ends there, so "
+            f"nothing was run or written; to train longer relaunch with {longer} and "
+            f"optimizer.lr_decay_steps={decay_steps} to keep this run's LR curve; to start fresh use another "
+            f"trainer.run_dir")
+
+
+def refuse_another_run(path: Path, meta: SnapshotMeta, cfg: Config, now: dict) -> None:
+    """UsageError naming every setting that would make this launch another run than the
+    snapshot's: another data stream (`now`: Trainer.data_stream) or another model shape."""
+    old_cfg, recorded = meta.config, meta.data_position
+
+    def was(dotted: str):
+        section, key = dotted.split(".")
+        return recorded.get(dotted, old_cfg.get(section, {}).get(key))
+
+    def show(v) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    changes = [f"{k}={show(was(k))} (now {show(v)})" for k, v in now.items()
+               if k != "corpus_sha256" and was(k) is not None and was(k) != v]
+    stream_changed = bool(changes)
+    old_sha = recorded.get("corpus_sha256")
+    # A changed truncate or tokenizer changes the token stream anyway: name only those.
+    if old_sha and old_sha != now["corpus_sha256"] and not any(
+            c.startswith(("data.truncate=", "data.tokenizer=")) for c in changes):
+        changes.append(f"corpus sha256={old_sha[:12]} (now {now['corpus_sha256'][:12]}: "
+                       f"another corpus under data.path)")
+        stream_changed = True
+    shape_changed = meta.fingerprint != cfg.model_fingerprint()
+    if shape_changed:
+        current = dataclasses.asdict(cfg.model)
+        for k, v in current.items():
+            key = f"model.{k}"
+            if k not in ("dropout", "init_from") and key not in now and was(key) is not None and was(key) != v:
+                changes.append(f"{key}={show(was(key))} (now {show(v)})")
+        if not changes:  # a snapshot without a readable config
+            changes.append(f"model {old_cfg.get('model', {})}")
+    if changes:
+        what = " and ".join(w for w, on in (("model shape", shape_changed), ("data stream", stream_changed)) if on)
+        raise UsageError(f"snapshot {path} was trained with {', '.join(changes)} (a different {what}); "
+                         f"use the snapshot's values or another trainer.run_dir")
