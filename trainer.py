@@ -40,8 +40,8 @@ from observe.tracker import NullTracker, Progress, RunTracker
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
 from snapshots.meta import SnapshotMeta
 from snapshots.model_file import ModelFile, write_model_file
-from snapshots.resume import nothing_left_message, refuse_another_run
-from snapshots.store import SnapshotManager, rng_state, set_rng_state
+from snapshots.resume import nothing_left_message, refuse_another_run, rng_state, set_rng_state
+from snapshots.store import SnapshotManager
 
 
 def lr_at(step: int, cfg: Config, max_steps: int) -> float:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
                                 launch_command(cfg.trainer.resume == "never")), flush=True)
             return stop_exit_code(summary.stopped, env.distributed)
         _finish(cfg, env, trainer, summary, run_dir)
-    except Interrupted as e:  # a signal outside the step loop (stopping.py); main() ends the process
+    except Interrupted as e:  # a signal outside the step loop (launch/stopping.py); main() ends the process
         if env.rank == 0:  # one line per job: every rank got the same signal
             final = str(trainer.last_snapshot) if summary is not None else None
             # this launch saved nothing (or finished): its own command, trainer.resume as it was

@@ -198,11 +198,6 @@ def device_peak(device: torch.device, precision: str, override: float = 0.0) -> 
     return peak, f"CPU {precision} matmul {peak / 1e9:.3g} GFLOP/s ({how})"
 
 
-def device_peak_flops(device: torch.device, precision: str, override: float = 0.0) -> float:
-    """Peak FLOP/s of one device for MFU (device_peak without its label)."""
-    return device_peak(device, precision, override)[0]
-
-
 def mfu(flops_per_token: float, tokens_per_sec: float, peak: float, n_devices: int) -> float:
     """Fraction of the peak of all devices that the model's FLOPs use (0 when the peak is unknown)."""
     if peak <= 0:

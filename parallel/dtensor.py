@@ -11,10 +11,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor)
-
-
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` stored on this rank (a DTensor's shard or replica; a plain tensor itself)."""
     return t.to_local() if isinstance(t, DTensor) else t

@@ -3,7 +3,7 @@ depends on the world size.
 
 Owns `Layout` (in the spirit of torchtitan's ParallelDims): the degrees pp x dp x tp, the batch
 split they imply (per-rank batch, micro-batches per step), the pipeline's stage placement, the
-rank at a mesh coordinate, and the one `check` of everything a world size can get wrong. It is
+rank at a mesh coordinate, and `Layout.of`, the one check of everything a world size can get wrong. It is
 pure arithmetic on the config: `Layout.of(cfg, world_size)` runs before any process group,
 model or strategy exists, so a bad launch is refused in one line before any work. The named
 DeviceMesh is built from it (`build_mesh`) and nothing else computes ranks.
@@ -13,7 +13,7 @@ its ranks should be neighbours (same host, NVLink); pipeline stages talk least, 
 outermost. dp = world_size / (tp * pp). Global rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
 
 Config-only checks (heads divisible by tp, a pipeline split that adds up, options that belong to
-another strategy) are config.validate's; the checks here need the world size.
+another strategy) are parallel/options.py's; the checks here need the world size.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class Layout:
             raise UsageError(f"trainer.micro_batch_size={t.micro_batch_size} x parallel.microbatches={m} != "
                              f"per-rank batch {per_rank}: under pp one optimizer step is one pipeline "
                              f"schedule; set trainer.micro_batch_size=0 or {per_rank // m}")
-        if p.pp_schedule != "gpipe" and m < p.pp:
+        if p.pp_schedule != "gpipe" and m < p.pp:  # an explicit count is refused with the config already
             raise UsageError(f"parallel.pp_schedule={p.pp_schedule} needs parallel.microbatches >= pp = {p.pp} "
                              f"(got {m}); raise parallel.microbatches or use gpipe")
         rounds = max(1, m // p.pp)

@@ -4,12 +4,14 @@ A snapshot belongs to one run: one data stream (which tokens, in which order, wh
 and one model shape. A launch that would change either is refused, naming every difference
 (`refuse_another_run`); a launch that resumes at its last step has nothing to do and says so
 (`nothing_left_message`). Safe changes (more steps, another layout or world size, another LR) are
-the Trainer's to apply.
+the Trainer's to apply. The RNG streams a snapshot keeps per rank: `rng_state`, `set_rng_state`.
 """
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+
+import torch
 
 from config import Config, UsageError
 from snapshots.meta import SnapshotMeta
@@ -63,3 +65,23 @@ def refuse_another_run(path: Path, meta: SnapshotMeta, cfg: Config, now: dict) -
         what = " and ".join(w for w, on in (("model shape", shape_changed), ("data stream", stream_changed)) if on)
         raise UsageError(f"snapshot {path} was trained with {', '.join(changes)} (a different {what}); "
                          f"use the snapshot's values or another trainer.run_dir")
+
+
+def _cuda_in_use() -> bool:
+    """Does this process draw random numbers on a CUDA device (dropout on GPU)?"""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's generator states: the CPU one, and the current CUDA device's when CUDA is in
+    use (dropout on GPU draws from it; without it a resumed GPU run replays step 0's masks)."""
+    state = {"cpu": torch.get_rng_state()}
+    if _cuda_in_use():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and _cuda_in_use():
+        torch.cuda.set_rng_state(state["cuda"])

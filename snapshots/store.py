@@ -25,7 +25,7 @@ the next save, not deleted.
 Nothing is unpickled: DCP holds only tensors (read with torch.load(weights_only=True)); the
 non-tensor state (optimizer param groups) goes to meta.json; DCP's own `.metadata` index is a
 pickle, so it is read by an unpickler that admits only the classes of DCP's Metadata
-(dcp_reader.py), and a snapshot whose index names anything else, or non-tensor (BYTE_IO)
+(snapshots/reader.py), and a snapshot whose index names anything else, or non-tensor (BYTE_IO)
 entries, counts as damaged.
 
 `SnapshotMeta` is the run's record in meta.json (what the Trainer writes and reads back, and what
@@ -199,6 +199,15 @@ def list_snapshots(snap_dir: Path) -> list[Path]:
 
 
 @dataclass
+@dataclass
+class LatestSnapshot:
+    """Rank 0's verdict on the snapshots folder, broadcast to every rank: the newest valid
+    snapshot and its record, a refusal (a snapshot of another format), or neither (start fresh)."""
+    path: str | None = None
+    record: dict | None = None
+    refusal: str | None = None
+
+
 class SnapshotManager:
     run_dir: Path
     keep: int
@@ -312,25 +321,25 @@ class SnapshotManager:
     def find_latest(self) -> tuple[Path, dict] | None:
         """Newest valid snapshot, agreed by all ranks (rank 0 decides, then broadcasts). A
         snapshot of another format is refused (UsageError on every rank), not skipped."""
-        choice = None
+        latest = LatestSnapshot()
         if self.rank == 0:
             for path in list_snapshots(self.snap_dir):
                 meta, why = validate_snapshot(path)
                 self._verdicts[path.name] = why
                 if meta is not None:
-                    choice = (str(path), meta)
+                    latest = LatestSnapshot(path=str(path), record=meta)
                     break
                 refusal = other_format_refusal(path)
                 if refusal:  # not damaged: another version's; skipping it would start over
-                    choice = ("refuse", refusal)
+                    latest = LatestSnapshot(refusal=refusal)
                     break
                 warnings.warn(f"skipping snapshot {path}: {why} (moved to {self.snap_dir / DAMAGED} "
                               f"at the next save)", stacklevel=2)
                 self._reported.add(path.name)
-        choice = self._broadcast(choice)
-        if choice and choice[0] == "refuse":
-            raise UsageError(choice[1])
-        return (Path(choice[0]), choice[1]) if choice else None
+        latest = self._broadcast(latest)
+        if latest.refusal:
+            raise UsageError(latest.refusal)
+        return (Path(latest.path), latest.record) if latest.path else None
 
     def has_any(self) -> bool:
         return bool(list_snapshots(self.snap_dir))
@@ -373,23 +382,3 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable")
         yield
-
-
-def _cuda_in_use() -> bool:
-    """Does this process draw random numbers on a CUDA device (dropout on GPU)?"""
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    """This process's generator states: the CPU one, and the current CUDA device's when CUDA is in
-    use (dropout on GPU draws from it; without it a resumed GPU run replays step 0's masks)."""
-    state = {"cpu": torch.get_rng_state()}
-    if _cuda_in_use():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and _cuda_in_use():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -24,6 +24,7 @@ from config import load_config
 from corpus.text import load_corpus
 from corpus.tokenizers import tokenizer_from_dict
 from harness import TINY, torchrun
+from launch.build import build_trainer
 from parallel.env import init_distributed
 from snapshots.model_file import read_model_file
 
@@ -60,7 +61,7 @@ def hf_dir(tmp_path_factory) -> tuple[Path, GPT2LMHeadModel]:
 def ours(run_dir: Path, overrides: list[str]):
     """The model and data a launch with these overrides starts from (one process, no training)."""
     cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}"] + overrides)
-    trainer = app.build_trainer(cfg, init_distributed(cfg), run_dir)
+    trainer = build_trainer(cfg, init_distributed(cfg), run_dir)
     return trainer.strategy.model.eval(), trainer
 
 

@@ -22,6 +22,7 @@ import torch
 import main as app
 from config import load_config
 from harness import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
+from launch.build import build_trainer
 from launch.stopping import torchrun_command
 from parallel.env import init_distributed
 
@@ -262,7 +263,7 @@ def test_fp16_steps_the_grad_scaler_skips_are_not_failures(tmp_path):
     run = tmp_path / "run"
     cfg = load_config(None, NAN + ["parallel.strategy=none", "trainer.precision=fp16", "trainer.max_steps=4",
                                    f"trainer.run_dir={run}"])
-    trainer = app.build_trainer(cfg, init_distributed(cfg), run)
+    trainer = build_trainer(cfg, init_distributed(cfg), run)
     trainer.scaler.scale(torch.ones(()))  # creates the scale tensor, then make it overflow fp16
     trainer.scaler.update(new_scale=2.0**100)
     assert trainer.train()["final_step"] == 4
