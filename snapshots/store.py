@@ -199,7 +199,6 @@ def list_snapshots(snap_dir: Path) -> list[Path]:
 
 
 @dataclass
-@dataclass
 class LatestSnapshot:
     """Rank 0's verdict on the snapshots folder, broadcast to every rank: the newest valid
     snapshot and its record, a refusal (a snapshot of another format), or neither (start fresh)."""
@@ -208,6 +207,7 @@ class LatestSnapshot:
     refusal: str | None = None
 
 
+@dataclass
 class SnapshotManager:
     run_dir: Path
     keep: int
