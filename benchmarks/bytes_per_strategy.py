@@ -69,7 +69,7 @@ def worker(overrides: list[str]) -> None:
             trainer.train_step()
         dist.barrier()
         moved = (loopback_tx_bytes() - before) / STEPS
-        rows.append((name, formula, fn, moved, trainer.strategy.num_params, env.world_size))
+        rows.append((name, formula, fn, moved, trainer.model_cost.num_params, env.world_size))
     if env.rank == 0:
         a, n = rows[0][4], rows[0][5]
         m = cfg.model

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     shutil.rmtree(run_dir, ignore_errors=True)
     trainer = build_trainer(cfg, init_distributed(cfg), run_dir)
     tokens_per_step = cfg.trainer.batch_size * cfg.model.block_size
-    print(f"model: {trainer.strategy.num_params:,} parameters, {trainer.flops_per_token / 1e6:.3f} "
+    print(f"model: {trainer.model_cost.num_params:,} parameters, {trainer.model_cost.flops_per_token / 1e6:.3f} "
           f"MFLOP/token, {tokens_per_step} tokens/step, compile={cfg.trainer.compile}", flush=True)
 
     if args.profile:
@@ -138,21 +138,21 @@ def main(argv=None) -> int:
     steady = step_times[10:] if len(step_times) > 20 else step_times  # first steps: warm-up/compile
     median = statistics.median(steady)
     tokens_per_sec = tokens_per_step / median
-    mfu = trainer.flops_per_token * tokens_per_sec / peak
+    mfu = trainer.model_cost.flops_per_token * tokens_per_sec / peak
     result = {
-        "steps": trainer.step, "val_loss": summary["val_loss"], "median_step_ms": 1000 * median,
+        "steps": trainer.step, "val_loss": summary.val_loss, "median_step_ms": 1000 * median,
         "p10_step_ms": 1000 * statistics.quantiles(steady, n=10)[0],
         "p90_step_ms": 1000 * statistics.quantiles(steady, n=10)[-1],
         "first_step_s": step_times[0], "tokens_per_sec": tokens_per_sec,
         "mean_tokens_per_sec": tokens_per_step * len(steady) / sum(steady),
         "wall_s": wall, "peak_gflops": peak / 1e9, "peak_before_gflops": peak_before / 1e9,
         "peak_after_gflops": peak_after / 1e9, "mfu": mfu, "threads": args.threads,
-        "compile": cfg.trainer.compile, "flops_per_token": trainer.flops_per_token,
+        "compile": cfg.trainer.compile, "flops_per_token": trainer.model_cost.flops_per_token,
         "loadavg_after": os.getloadavg()[0],
     }
     print(f"\n=== nanoGPT CPU Shakespeare-char through minGPT-parallel ({args.threads} threads, "
           f"compile={cfg.trainer.compile}) ===")
-    print(f"val loss at step {trainer.step}: {summary['val_loss']:.4f}   (target <= {TARGET_VAL_LOSS})")
+    print(f"val loss at step {trainer.step}: {summary.val_loss:.4f}   (target <= {TARGET_VAL_LOSS})")
     print(f"median step: {1000 * median:.2f} ms   (p10 {result['p10_step_ms']:.2f}, p90 "
           f"{result['p90_step_ms']:.2f}; first step {step_times[0]:.2f} s)")
     print(f"tokens/s: {tokens_per_sec:,.0f} at the median step ({result['mean_tokens_per_sec']:,.0f} mean)")

@@ -57,7 +57,7 @@ def worker(overrides: list[str]) -> None:
             trainer.optimizer_step()
         every = [None] * env.world_size
         dist.all_gather_object(every, mine)
-        rows.append((name, sharded, formula, fn, every, trainer.strategy.num_params, trainer.strategy.dp_size))
+        rows.append((name, sharded, formula, fn, every, trainer.model_cost.num_params, trainer.strategy.dp_size))
     rows.append(zero_redundancy_row(cfg, env, trainer.model_config["vocab_size"]))
     if env.rank == 0:
         a, n = rows[0][5], rows[0][6]

@@ -266,6 +266,6 @@ def test_fp16_steps_the_grad_scaler_skips_are_not_failures(tmp_path):
     trainer = build_trainer(cfg, init_distributed(cfg), run)
     trainer.scaler.scale(torch.ones(()))  # creates the scale tensor, then make it overflow fp16
     trainer.scaler.update(new_scale=2.0**100)
-    assert trainer.train()["final_step"] == 4
+    assert trainer.train().final_step == 4
     assert trainer.scaler.get_scale() == 2.0**96  # all 4 steps had inf gradients and were skipped
     assert snapshots(run) == ["step_0000004"]
