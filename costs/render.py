@@ -1,8 +1,9 @@
 """The `--plan` table as text: one row per layout (the configured one marked *), the legend of
-formulas under it, or with --explain every formula and its source."""
+formulas under it, or with --explain every formula and its source. The measurements that check
+the formulas are in docs/planner.md and docs/layouts.md, not here: they would go stale."""
 from __future__ import annotations
 
-from costs.records import Plan
+from costs.records import LayoutPlan, Plan
 from costs.units import fmt_bytes
 
 LEGEND = """\
@@ -11,11 +12,9 @@ per rank, the fullest rank (GB = 10^9 bytes); a = parameters held, n = dp ranks,
   hsdp RxS (fsdp, parallel.dp_replicate=R): 16a/S per rank; all-gather and reduce-scatter within a group of S, all-reduce of the shards over R
   act: saved for backward x micro-batches in flight (gpipe: M, 1f1b: min(M, p - rank), interleaved/zero-bubble: torch's order);
        per block fp32 16bsh x 4 B + 16bs + 4b(heads)s (Korthikanti et al. 2022's 34sbh + 5as^2b, adapted to SDPA: --explain)
-  moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n; zero-3/fsdp all-gather every
-       unit twice (forward, backward; no-reshard once). Measured on CPU/gloo loopback (benchmarks/bytes_per_strategy.py, total over
-       ranks / theory 2(N-1)4a for ddp, zero-1/2, fsdp no-reshard, 3(N-1)4a for zero-3/fsdp): N=2 ddp 1.001x, zero-1 1.001x, zero-2 1.002x,
-       zero-3 1.003x, fsdp 1.003x, no-reshard 1.004x; N=4 ddp 1.002x, zero-1 1.002x, zero-2 0.985x, zero-3 1.006x, fsdp 1.006x,
-       no-reshard 1.006x; each collective against this table: benchmarks/strategy_report.py"""
+  moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n each: ddp and zero-1/2 2K(n-1)/n;
+       zero-3/fsdp all-gather every unit twice (forward, backward) + reduce-scatter = 3K(n-1)/n (no-reshard: gathered once, 2K(n-1)/n)
+  measured against these: docs/planner.md (every layout, benchmarks/strategy_report.py), docs/layouts.md#bytes-on-the-wire"""
 
 EXPLAIN = """\
 formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary, t = tp, E = bsh elements):
@@ -43,35 +42,20 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
     LayerNorm gradients, Partial after backward and all-reduced once; vocabulary-parallel: the
     embedding's all-reduce, the head input's gradient, loss_parallel's 3 bs reductions; pp: activations forward and gradients backward, E per stage
     boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
-  bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, 0 for zero-bubble (weight passes fill it)"""
+  bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, 0 for zero-bubble (weight passes fill it)
+  measured against these: docs/planner.md (every layout, benchmarks/strategy_report.py), docs/layouts.md#bytes-on-the-wire"""
+
+
+HEADER = ["", "layout", "mb x M", "params", "grads", "Adam", "act (x in flight)", "buf+tmp", "peak", "fits",
+          "all-reduce", "red-scatter", "all-gather", "p2p", "tp", "bubble"]
+MOVED_COLUMNS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")  # Collective.kind
 
 
 def render(pl: Plan, explain: bool = False) -> str:
-    m = pl.model
-    lines = [f"model: {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, block {m['block_size']}, "
-             f"vocab {m['vocab_size']} ({m['vocab_source']}), {m['parameters']:,} parameters | "
-             f"global batch {m['global_batch']}, {m['precision']} | world {pl.world_size}"
-             + (f" | device memory {fmt_bytes(pl.device_memory)}" if pl.device_memory else "")]
+    lines = [_model_line(pl)]
     if pl.configured_error:
         lines.append(f"configured layout refused on {pl.world_size} ranks: {pl.configured_error}")
-    header = ["", "layout", "mb x M", "params", "grads", "Adam", "act (x in flight)", "buf+tmp", "peak", "fits",
-              "all-reduce", "red-scatter", "all-gather", "p2p", "tp", "bubble"]
-    rows = []
-    for lp in pl.layouts:
-        mem, mv = lp.memory, lp.moved_bytes_per_rank
-        fits = "-" if lp.fits is None else ("yes" if lp.fits else "NO")
-        rows.append(["*" if lp.configured else "", lp.name, f"{lp.layout.micro_batch_size} x {lp.layout.microbatches}",
-                     fmt_bytes(mem.params), fmt_bytes(mem.grads), fmt_bytes(mem.optimizer),
-                     f"{fmt_bytes(mem.activations)} (x{mem.inflight_microbatches:g})", fmt_bytes(mem.buffers + mem.transient),
-                     fmt_bytes(mem.peak), fits,
-                     *(fmt_bytes(mv[k]) if mv.get(k) else "-" for k in
-                       ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")),
-                     f"{lp.bubble:.2f}" if lp.layout.pp > 1 else "-"])
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-    for r in rows:
-        lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    lines += _table(HEADER, [_row(lp) for lp in pl.layouts])
     if not pl.layouts:  # say why, without the JSON: the distinct reasons
         for reason in sorted(set(pl.refused.values()))[:5]:
             lines.append(f"refused: {reason}")
@@ -80,3 +64,32 @@ def render(pl: Plan, explain: bool = False) -> str:
                  f"bytes moved per rank per optimizer step, busiest rank")
     lines.append(EXPLAIN if explain else LEGEND)
     return "\n".join(lines)
+
+
+def _model_line(pl: Plan) -> str:
+    m = pl.model
+    return (f"model: {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, block {m['block_size']}, "
+            f"vocab {m['vocab_size']} ({m['vocab_source']}), {m['parameters']:,} parameters | "
+            f"global batch {m['global_batch']}, {m['precision']} | world {pl.world_size}"
+            + (f" | device memory {fmt_bytes(pl.device_memory)}" if pl.device_memory else ""))
+
+
+def _row(lp: LayoutPlan) -> list[str]:
+    mem, mv = lp.memory, lp.moved_bytes_per_rank
+    fits = "-" if lp.fits is None else ("yes" if lp.fits else "NO")
+    return ["*" if lp.configured else "", lp.name, f"{lp.layout.micro_batch_size} x {lp.layout.microbatches}",
+            fmt_bytes(mem.params), fmt_bytes(mem.grads), fmt_bytes(mem.optimizer),
+            f"{fmt_bytes(mem.activations)} (x{mem.inflight_microbatches:g})", fmt_bytes(mem.buffers + mem.transient),
+            fmt_bytes(mem.peak), fits,
+            *(fmt_bytes(mv[k]) if mv.get(k) else "-" for k in MOVED_COLUMNS),
+            f"{lp.bubble:.2f}" if lp.layout.pp > 1 else "-"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns as wide as their widest cell; the marker and the layout name left-aligned, numbers right."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    for r in rows:
+        lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return lines
