@@ -48,9 +48,9 @@ STRATEGIES = {
 def worker(overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
-    from launch.build import build_trainer
 
     from config import DEFAULT_CONFIG, load_config
+    from launch.build import build_trainer
     from parallel.env import init_distributed
 
     rows = []

@@ -42,9 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from launch.build import build_trainer  # noqa: E402
 
 from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
+from launch.build import build_trainer  # noqa: E402
 from observe.perf import measure_cpu_matmul_peak  # noqa: E402
 from parallel.env import init_distributed  # noqa: E402
 

@@ -13,6 +13,8 @@ import torch
 from config import UsageError
 from storage.files import atomic_write_text
 
+TOKENIZER_FILE = "tokenizer.json"  # the run folder's tokenizer record
+
 
 class CharTokenizer:
     """One token per Unicode character; the vocabulary is the sorted set of corpus characters."""

@@ -16,8 +16,8 @@ import warnings
 from pathlib import Path
 
 from config import Config, UsageError, dump_yaml, load_config
-from corpus.tokenizers import save_tokenizer
-from launch.build import TOKENIZER_FILE, build_trainer, fallback_corpus
+from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
+from launch.build import build_trainer, fallback_corpus
 from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line

@@ -17,15 +17,13 @@ from config import Config, TrainerConfig, UsageError
 from corpus.kinds import token_corpus_kind
 from corpus.text import FALLBACK_RUN_DIR, FALLBACK_SOURCE, load_corpus
 from corpus.token_files import corpus_tokenizer, open_token_corpus
-from corpus.tokenizers import build_tokenizer, load_tokenizer_record
+from corpus.tokenizers import TOKENIZER_FILE, build_tokenizer, load_tokenizer_record
 from model import GPT, GPTConfig
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
 from snapshots.pretrained import Source, check_shape, check_tokenizer, load_initial, open_source
 from snapshots.store import list_snapshots
 from trainer import Trainer, seed_rng
-
-TOKENIZER_FILE = "tokenizer.json"  # the run folder's tokenizer record
 
 
 def build_trainer(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str] | None = None) -> Trainer:

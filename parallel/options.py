@@ -61,8 +61,9 @@ def problems(cfg: Config) -> Iterator[str]:
 
 
 # Options that only mean something for some strategies: setting them elsewhere is a mistake the
-# user should hear about, not a silent no-op.
-_STRATEGY_ONLY = {
+# user should hear about, not a silent no-op. These tables are public so that code moving a config
+# to another strategy, tp or pp (the planner's alternatives) resets options by the same rules.
+STRATEGY_ONLY = {
     "zero_stage": ("zero",),
     "reshard_after_forward": ("fsdp",),
     "mixed_precision": ("fsdp",),
@@ -73,6 +74,11 @@ _STRATEGY_ONLY = {
     "gradient_as_bucket_view": ("ddp",),
     "static_graph": ("ddp",),
 }
+# Within zero, buckets mean something only where ZeRO-1/2's own engine is used (stage 3 is
+# FSDP2, which gathers and reduces per fully_shard group).
+ZERO_STAGE_ONLY = {"bucket_cap_mb": (1, 2)}
+PP_ONLY = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")  # defaults unless parallel.pp > 1
+TP_ONLY = ("tp_vocab_parallel", "sequence_parallel")  # false unless parallel.tp > 1
 
 
 def _model_split_problems(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> Iterator[str]:
@@ -122,24 +128,20 @@ def _even_chunks(n: int, k: int) -> list[range]:
 
 def _option_problems(p: ParallelConfig) -> Iterator[str]:
     defaults = type(p)()  # the dataclass defaults, without importing config at run time
-    for key, owners in _STRATEGY_ONLY.items():
+    for key, owners in STRATEGY_ONLY.items():
         if getattr(p, key) != getattr(defaults, key) and p.strategy not in owners:
             yield (f"parallel.{key} only applies to parallel.strategy="
                    f"{' or '.join(owners)}, not '{p.strategy}'; remove it or change strategy")
-    # Within zero, buckets mean something only where ZeRO-1/2's own engine is used (stage 3 is
-    # FSDP2, which gathers and reduces per fully_shard group).
-    zero_stages = {"bucket_cap_mb": (1, 2)}
     if p.strategy == "zero":
-        for key, stages in zero_stages.items():
+        for key, stages in ZERO_STAGE_ONLY.items():
             if getattr(p, key) != getattr(defaults, key) and p.zero_stage not in stages:
                 yield (f"parallel.{key} only applies to parallel.zero_stage="
                        f"{' or '.join(map(str, stages))}, not {p.zero_stage}; remove it")
-    pp_only = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")
     if p.pp == 1:
-        for key in pp_only:
+        for key in PP_ONLY:
             if getattr(p, key) != getattr(defaults, key):
                 yield (f"parallel.{key} only applies with parallel.pp > 1; set parallel.pp")
     if p.tp == 1:
-        for key in ("tp_vocab_parallel", "sequence_parallel"):
+        for key in TP_ONLY:
             if getattr(p, key):
                 yield (f"parallel.{key} only applies with parallel.tp > 1; set parallel.tp")

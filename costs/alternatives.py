@@ -1,0 +1,163 @@
+"""Every layout of a world size: `plan(cfg, world_size, device_memory)` plans the configured
+layout first, then each alternative that the launch's own checks accept (config.validate,
+parallel.layout.Layout.of, via `check_layout`), sorted so that fitting layouts come first by peak.
+
+An alternative is a `DataParallelChoice` (ddp, zero-1/2/3, fsdp with and without resharding
+after forward, HSDP with R replica groups) times every tp x pp that divides the world size.
+`layout_config` writes one into a copy of the config, resetting the options that belong to
+another strategy, tp or pp by parallel.options' own tables, so the copy passes the same checks a
+launch of that layout would.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from config import Config, ParallelConfig, UsageError, validate
+from costs.inventory import gpt_config, parameter_inventory, vocab_size
+from costs.layout_plan import plan_layout
+from costs.records import LayoutPlan, Plan, PlannedLayout
+from costs.units import numel
+from model import GPTConfig
+from parallel.layout import Layout
+from parallel.options import PP_ONLY, STRATEGY_ONLY, TP_ONLY, ZERO_STAGE_ONLY, Engine
+
+
+@dataclass(frozen=True)
+class DataParallelChoice:
+    """What an alternative puts on the data-parallel dimension."""
+    engine: Engine
+    reshard_after_forward: bool = True  # fsdp: False keeps the parameters gathered from forward to backward
+    replicas: int = 1  # fsdp: HSDP's replica groups (parallel.dp_replicate)
+
+    @property
+    def label(self) -> str:
+        """The name in `Plan.refused`: 'zero-2', 'fsdp-keep', 'hsdp-2'."""
+        if self.replicas > 1:
+            return f"hsdp-{self.replicas}"
+        return self.engine.value if self.reshard_after_forward else f"{self.engine.value}-keep"
+
+    @property
+    def is_plain_fsdp(self) -> bool:
+        return self.engine is Engine.FSDP and self.reshard_after_forward and self.replicas == 1
+
+
+DP_CHOICES = tuple(DataParallelChoice(e) for e in (Engine.DDP, Engine.ZERO1, Engine.ZERO2, Engine.ZERO3, Engine.FSDP)) \
+    + (DataParallelChoice(Engine.FSDP, reshard_after_forward=False),)
+
+
+def hsdp_choices(dp: int) -> list[DataParallelChoice]:
+    """R replica groups x dp/R shards for every R that is neither plain fsdp (1) nor ddp-like (dp)."""
+    return [DataParallelChoice(Engine.FSDP, replicas=r) for r in divisors(dp) if 1 < r < dp]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_layout(cfg: Config, world: int) -> PlannedLayout:
+    """The layout of cfg on `world` ranks after the checks a launch runs before any process group
+    (config.validate, parallel.layout.Layout.of); UsageError if refused."""
+    validate(cfg)
+    lay = Layout.of(cfg, world)
+    p = cfg.parallel
+    # one data-parallel rank: the strategy has nothing to act on (ddp, zero-3 and fsdp leave the
+    # model as it is), so those layouts are one layout
+    engine = Engine.of(p) if lay.dp > 1 else Engine.NONE
+    fsdp = engine is Engine.FSDP
+    return PlannedLayout(engine, lay.dp, lay.tp, lay.pp, p.pp_schedule if lay.pp > 1 else "",
+                         p.pp_stages_per_rank if lay.pp > 1 else 1, lay.micro_batch_size, lay.microbatches,
+                         p.activation_checkpointing, p.sequence_parallel, p.tp_vocab_parallel,
+                         p.reshard_after_forward if fsdp else engine is Engine.ZERO3,
+                         tuple(lay.stage_blocks), tuple(lay.stage_placement),
+                         lay.dp_replicate if fsdp else 1)
+
+
+def layout_config(cfg: Config, choice: DataParallelChoice, tp: int, pp: int) -> Config:
+    """cfg with this layout; options of another strategy, tp or pp go back to their defaults."""
+    new = copy.deepcopy(cfg)
+    _apply_choice(new.parallel, choice, cfg.parallel.strategy)
+    _apply_model_split(new.parallel, tp, pp, cfg.parallel.pp)
+    return new
+
+
+def _apply_choice(p: ParallelConfig, choice: DataParallelChoice, configured: str) -> None:
+    d, values = ParallelConfig(), choice.engine.config_values
+    strategy = values["strategy"]
+    if strategy != configured:
+        for key, owners in STRATEGY_ONLY.items():
+            if strategy not in owners:
+                setattr(p, key, getattr(d, key))
+    p.strategy, p.zero_stage = strategy, values.get("zero_stage", d.zero_stage)
+    if strategy == "zero":
+        for key, stages in ZERO_STAGE_ONLY.items():
+            if p.zero_stage not in stages:
+                setattr(p, key, getattr(d, key))
+        p.gradient_as_bucket_view, p.static_graph = d.gradient_as_bucket_view, d.static_graph
+    if not choice.reshard_after_forward:
+        p.reshard_after_forward = False
+    # plain fsdp on a config that is fsdp already keeps its replica groups; every other fsdp
+    # choice sets them
+    if choice.engine is Engine.FSDP and (configured != "fsdp" or not choice.is_plain_fsdp):
+        p.dp_replicate = choice.replicas
+
+
+def _apply_model_split(p: ParallelConfig, tp: int, pp: int, configured_pp: int) -> None:
+    d = ParallelConfig()
+    p.tp, p.pp = tp, pp
+    if tp == 1:
+        for key in TP_ONLY:
+            setattr(p, key, getattr(d, key))
+    if pp == 1:
+        for key in PP_ONLY:
+            setattr(p, key, getattr(d, key))
+    elif configured_pp != pp:
+        p.pp_split = ""  # a split written for another pp does not fit
+
+
+def model_summary(cfg: Config, g: GPTConfig, vocab_source: str) -> dict:
+    a = sum(numel(t.shape) for t in parameter_inventory(g))
+    return {"parameters": a, "vocab_size": g.vocab_size, "vocab_source": vocab_source,
+            **{k: v for k, v in dataclasses.asdict(g).items() if k != "vocab_size"},
+            "global_batch": cfg.trainer.batch_size, "precision": cfg.trainer.precision}
+
+
+def plan(cfg: Config, world: int, device_memory: int | None = None) -> Plan:
+    """The configured layout (or why `world` ranks cannot run it), then every alternative."""
+    vocab, vocab_source = vocab_size(cfg)
+    g = gpt_config(cfg, vocab)
+    layouts: list[LayoutPlan] = []
+    seen: list[PlannedLayout] = []
+    configured_error = ""
+    try:
+        mine = check_layout(cfg, world)
+        layouts.append(plan_layout(cfg, g, mine, True, device_memory))
+        seen.append(mine)
+    except UsageError as e:
+        configured_error = str(e)
+    others, refused = _alternatives(cfg, g, world, device_memory, seen)
+    others.sort(key=lambda lp: (lp.fits is False, lp.memory.peak))
+    return Plan(world, device_memory, model_summary(cfg, g, vocab_source), configured_error, layouts + others, refused)
+
+
+def _alternatives(cfg: Config, g: GPTConfig, world: int, device_memory: int | None,
+                  seen: list[PlannedLayout]) -> tuple[list[LayoutPlan], dict[str, str]]:
+    """Every layout not in `seen` that the launch checks accept, and why each other one is refused."""
+    others: list[LayoutPlan] = []
+    refused: dict[str, str] = {}
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            for choice in (*DP_CHOICES, *hsdp_choices(dp)):
+                alt = layout_config(cfg, choice, tp, pp)
+                try:
+                    lay = check_layout(alt, world)
+                except UsageError as e:
+                    refused[f"{choice.label} tp{tp} pp{pp}"] = str(e)
+                    continue
+                if lay in seen:  # e.g. every strategy at dp = 1, or fsdp as configured
+                    continue
+                seen.append(lay)
+                others.append(plan_layout(alt, g, lay, False, device_memory))
+    return others, refused

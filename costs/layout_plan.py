@@ -1,0 +1,66 @@
+"""One layout's prediction: `plan_layout` puts the pieces together for every pipeline rank.
+
+Per pp rank: the parameters it holds (costs/inventory.py), what its data-parallel engine keeps and
+moves (costs/engines.py), the activations of its stages times the micro-batches its schedule keeps
+in flight (costs/activations.py, costs/schedule.py), and the tensor/pipeline traffic
+(costs/traffic.py). The layout's record carries the fullest rank's memory and the busiest rank's
+collectives.
+"""
+from __future__ import annotations
+
+from config import Config
+from costs.activations import ActivationModel, activation_model, rank_activation_bytes, transient_bytes
+from costs.engines import EngineCosts, engine_costs
+from costs.inventory import RankTensors, held_tensors
+from costs.records import Collective, LayoutPlan, PlannedLayout, RankMemory
+from costs.schedule import bubble_fraction, inflight_per_stage
+from costs.traffic import pp_collectives, tp_collective
+from model import GPTConfig
+
+
+def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
+                device_memory: int | None) -> LayoutPlan:
+    """The prediction for `lay` (a `check_layout` result of `cfg`); `fits` is None without
+    a device memory."""
+    engine = engine_costs(lay, cfg.parallel)
+    am = activation_model(cfg, lay.strategy)
+    inflight = inflight_per_stage(lay) if lay.pp > 1 else [{0: 1}]
+    ranks: list[RankMemory] = []
+    traffic: list[list[Collective]] = []
+    for r, held in enumerate(held_tensors(g, lay)):
+        ranks.append(rank_memory(g, lay, am, engine, r, held, inflight[r]))
+        traffic.append(rank_collectives(g, lay, am, engine, held, sorted(inflight[r])))
+    top = max(range(len(ranks)), key=lambda i: ranks[i].peak)
+    busiest = max(range(len(ranks)), key=lambda i: sum(c.moved_bytes for c in traffic[i]))
+    by_kind: dict[str, int] = {}
+    for c in traffic[busiest]:
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.moved_bytes
+    total = sum(c.moved_bytes for cs in traffic for c in cs) * lay.dp * lay.tp
+    fits = None if device_memory is None else ranks[top].peak <= device_memory
+    return LayoutPlan(lay.name, configured, lay, ranks[top], ranks, traffic[busiest],
+                      by_kind, total, fits, bubble_fraction(lay))
+
+
+def rank_memory(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: EngineCosts, pp_rank: int,
+                held: RankTensors, inflight: dict[int, int]) -> RankMemory:
+    """Peak = parameters + gradients + Adam state + activations in flight + transients + buffers."""
+    state = engine.model_state(held)
+    per_microbatch, activations = rank_activation_bytes(g, am, lay, inflight)
+    transient = transient_bytes(g, am, lay, lay.num_stages - 1 in inflight)
+    buffers, notes = engine.buffers(held)
+    peak = state.params + state.grads + state.optimizer + activations + transient + buffers
+    in_flight = round(activations / per_microbatch, 2) if per_microbatch else 0.0
+    return RankMemory(pp_rank, state.params, state.grads, state.optimizer, activations, per_microbatch, in_flight,
+                      transient, buffers, state.host, peak, notes + list(state.notes))
+
+
+def rank_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: EngineCosts,
+                     held: RankTensors, stages: list[int]) -> list[Collective]:
+    """Ring volumes per optimizer step on the pp rank holding `held` and `stages`: the data-parallel
+    engine's, then tensor parallelism's, then the pipeline's."""
+    out = engine.collectives(held)
+    if lay.tp > 1:
+        out.append(tp_collective(g, lay, am, held, stages))
+    if lay.pp > 1:
+        out += pp_collectives(g, lay, am, stages)
+    return out

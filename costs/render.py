@@ -1,0 +1,95 @@
+"""The `--plan` table as text: one row per layout (the configured one marked *), the legend of
+formulas under it, or with --explain every formula and its source. The measurements that check
+the formulas are in docs/planner.md and docs/layouts.md, not here: they would go stale."""
+from __future__ import annotations
+
+from costs.records import LayoutPlan, Plan
+from costs.units import fmt_bytes
+
+LEGEND = """\
+per rank, the fullest rank (GB = 10^9 bytes); a = parameters held, n = dp ranks, K = bytes of a collective's payload
+  params/grads/Adam: fp32 AdamW, ZeRO (Rajbhandari et al. 2020): ddp 4a+4a+8a = 16a | zero-1 4a+4a+8a/n | zero-2 4a+12a/n | zero-3, fsdp 16a/n
+  hsdp RxS (fsdp, parallel.dp_replicate=R): 16a/S per rank; all-gather and reduce-scatter within a group of S, all-reduce of the shards over R
+  act: saved for backward x micro-batches in flight (gpipe: M, 1f1b: min(M, p - rank), interleaved/zero-bubble: torch's order);
+       per block fp32 16bsh x 4 B + 16bs + 4b(heads)s (Korthikanti et al. 2022's 34sbh + 5as^2b, adapted to SDPA: --explain)
+  moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n each: ddp and zero-1/2 2K(n-1)/n;
+       zero-3/fsdp all-gather every unit twice (forward, backward) + reduce-scatter = 3K(n-1)/n (no-reshard: gathered once, 2K(n-1)/n)
+  measured against these: docs/planner.md (every layout, benchmarks/strategy_report.py), docs/layouts.md#bytes-on-the-wire"""
+
+EXPLAIN = """\
+formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary, t = tp, E = bsh elements):
+  parameters per rank: model.py's shapes; tp splits q/k/v/fc rows and out_proj/proj columns (ceil(dim/t)); zero-1/2 keep
+    ceil(numel/n) elements of each tensor; zero-3/fsdp ceil(dim0/n) rows (FSDP2 pads the dim-0 chunks); pp: each stage its
+    blocks, the first the embeddings, the last ln_f and a copy of the tied embedding/head (both copies are in the optimizer)
+  gradients: as parameters (zero-2 and fsdp: sharded; ddp buckets are the gradients with gradient_as_bucket_view)
+  activations per block, saved for backward (measured op by op with saved_tensors_hooks on this model):
+    ln_1 and ln_2 inputs 2E (fp32) + mean/rstd 4bs fp32; q/k/v input E and fc input E (autocast: 3 + 1 16-bit copies);
+    q, k, v 3E/t; SDPA output E/t (the out_proj input) + logsumexp b(heads/t)s fp32; GELU input and output 8E/t;
+    dropout > 0: 2 masks E (bool on CUDA, the activation dtype on CPU, where SDPA also falls back to its math kernel
+    and saves 3 b(heads/t)s^2 attention matrices); autocast: a 16-bit copy of every weight (12h^2/t).
+    fp32 total 64sbh + 16sb + 4as bytes; Korthikanti et al. 2022 eq. 1 counts 34sbh + 5as^2b in 16-bit without
+    fused attention. Sequence parallel splits LayerNorm inputs/stats and masks over t; the gathered q/k/v and fc
+    inputs stay whole. Activation checkpointing keeps the block input only (E fp32) and recomputes one block in
+    backward (counted as transient). First stage: token and position ids (int64); last stage: ln_f input E, head
+    input E, log-softmax output 4bsV (fp32; /t with vocab-parallel loss), targets.
+  transient: logits + their fp32 gradient at the loss (bsV (e + 4)), or one recomputed block with checkpointing
+  buffers: zero-1/2: the largest bucket (bucket_cap_mb) (zero-2: twice) + its slice; fsdp/zero-3: root parameters
+    gathered (at the peak: the loss, the first backward), 2 blocks gathered (a stage's blocks with reshard_after_forward=false or under pp, whose stages keep
+    them gathered between backwards) + 2 blocks of unsharded gradients; with gradient accumulation FSDP2 keeps the
+    whole unsharded gradient (4a) between micro-batches; ddp: +4a of buckets when gradient_as_bucket_view=false
+  moved: tp: 6 all-reduces of E per block per micro-batch (out_proj, proj outputs; q, k, v, fc input gradients, as parallel/tp.py
+    shards q/k/v apart), or with sequence parallel 4 all-gathers + 4 reduce-scatters of E (2/3 of those bytes) plus the
+    LayerNorm gradients, Partial after backward and all-reduced once; vocabulary-parallel: the
+    embedding's all-reduce, the head input's gradient, loss_parallel's 3 bs reductions; pp: activations forward and gradients backward, E per stage
+    boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
+  bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, 0 for zero-bubble (weight passes fill it)
+  measured against these: docs/planner.md (every layout, benchmarks/strategy_report.py), docs/layouts.md#bytes-on-the-wire"""
+
+
+HEADER = ["", "layout", "mb x M", "params", "grads", "Adam", "act (x in flight)", "buf+tmp", "peak", "fits",
+          "all-reduce", "red-scatter", "all-gather", "p2p", "tp", "bubble"]
+MOVED_COLUMNS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")  # Collective.kind
+
+
+def render(pl: Plan, explain: bool = False) -> str:
+    lines = [_model_line(pl)]
+    if pl.configured_error:
+        lines.append(f"configured layout refused on {pl.world_size} ranks: {pl.configured_error}")
+    lines += _table(HEADER, [_row(lp) for lp in pl.layouts])
+    if not pl.layouts:  # say why, without the JSON: the distinct reasons
+        for reason in sorted(set(pl.refused.values()))[:5]:
+            lines.append(f"refused: {reason}")
+    lines.append(f"* configured layout; {len(pl.layouts)} layouts shown, {len(pl.refused)} refused "
+                 f"(--plan-json lists why); buf+tmp: communication buffers and transients (logits at the loss, a recomputed block); "
+                 f"bytes moved per rank per optimizer step, busiest rank")
+    lines.append(EXPLAIN if explain else LEGEND)
+    return "\n".join(lines)
+
+
+def _model_line(pl: Plan) -> str:
+    m = pl.model
+    return (f"model: {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, block {m['block_size']}, "
+            f"vocab {m['vocab_size']} ({m['vocab_source']}), {m['parameters']:,} parameters | "
+            f"global batch {m['global_batch']}, {m['precision']} | world {pl.world_size}"
+            + (f" | device memory {fmt_bytes(pl.device_memory)}" if pl.device_memory else ""))
+
+
+def _row(lp: LayoutPlan) -> list[str]:
+    mem, mv = lp.memory, lp.moved_bytes_per_rank
+    fits = "-" if lp.fits is None else ("yes" if lp.fits else "NO")
+    return ["*" if lp.configured else "", lp.name, f"{lp.layout.micro_batch_size} x {lp.layout.microbatches}",
+            fmt_bytes(mem.params), fmt_bytes(mem.grads), fmt_bytes(mem.optimizer),
+            f"{fmt_bytes(mem.activations)} (x{mem.inflight_microbatches:g})", fmt_bytes(mem.buffers + mem.transient),
+            fmt_bytes(mem.peak), fits,
+            *(fmt_bytes(mv[k]) if mv.get(k) else "-" for k in MOVED_COLUMNS),
+            f"{lp.bubble:.2f}" if lp.layout.pp > 1 else "-"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns as wide as their widest cell; the marker and the layout name left-aligned, numbers right."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    for r in rows:
+        lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return lines

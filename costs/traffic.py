@@ -1,0 +1,72 @@
+"""What tensor and pipeline parallelism move per optimizer step on one pipeline rank: the
+activations tensor-parallel ranks exchange around every block (`tp_collective`), the activations
+and their gradients crossing stage boundaries, and the tied embedding/head gradient reduced
+between the first and the last stage (`pp_collectives`). The data-parallel engines' traffic is
+costs/engines.py's.
+
+E = b s h elements of one micro-batch's (b, s, h) activation, e bytes each; per rank on a ring of
+t ranks an all-reduce moves 2K(t-1)/t and an all-gather or reduce-scatter K(t-1)/t.
+"""
+from __future__ import annotations
+
+from costs.activations import ActivationModel
+from costs.inventory import PARAM_BYTES, RankTensors
+from costs.records import Collective, PlannedLayout
+from costs.units import ceil_div
+from model import GPTConfig
+
+
+def _tp_calls(lay: PlannedLayout, blocks: int, first: bool, last: bool) -> tuple[int, int, str]:
+    """(all-reduces, all-gathers + reduce-scatters) of one (b, s, h) activation per micro-batch."""
+    vocab = lay.tp_vocab_parallel
+    if not lay.sequence_parallel:
+        # forward: the row-parallel out_proj and mlp.proj outputs; backward: the input gradient
+        # of each column-parallel Linear, q, k, v (three: parallel/tp.py shards them separately)
+        # and fc: 6 all-reduces per block where Megatron's fused qkv has 4; vocabulary-parallel:
+        # the embedding's output and the LM head's input gradient (measured:
+        # benchmarks/strategy_report.py)
+        return (6 * blocks + (vocab and first) + (vocab and last), 0,
+                "all-reduce of (b, s, h): out_proj and proj outputs, q/k/v and fc input gradients")
+    # per block an all-gather before attention and MLP and a reduce-scatter after them,
+    # mirrored in backward: 8; the first stage gathers the embedding's gradient
+    # (dropout's Replicate -> Shard(1)), the last gathers the head input (vocabulary-
+    # parallel: and reduce-scatters its gradient); vocabulary-parallel embedding: 1 all-reduce
+    return (int(vocab and first), 8 * blocks + first + last + (vocab and last),
+            "all-gather + reduce-scatter of (b, s, h) around attention and MLP, forward and backward")
+
+
+def tp_collective(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: RankTensors,
+                  stages: list[int]) -> Collective:
+    """Every tensor-parallel collective of one step on this pp rank, as one record (kind "tp")."""
+    tp, m, b = lay.tp, lay.microbatches, lay.micro_batch_size
+    act = b * g.block_size * g.n_embd * am.matmul
+    first, last = 0 in stages, lay.num_stages - 1 in stages
+    ar, ag_rs, what = _tp_calls(lay, held.blocks, first, last)
+    # loss_parallel: the max, the sum of exponentials and the target logit over the vocabulary
+    small = 3 * b * g.block_size * 4 if lay.tp_vocab_parallel and last else 0
+    # sequence parallel: LayerNorm gradients come out of backward as Partial DTensors (each
+    # rank saw T / tp positions); Strategy.forward_backward all-reduces them once
+    # (parallel/dtensor.py settle_partial_grads)
+    ln_grads = held.layer_norm_elems * PARAM_BYTES if lay.sequence_parallel else 0
+    payload = ((ar + ag_rs) * act + small) * m + ln_grads
+    moved = round((((2 * ar + ag_rs) * act + 2 * small) * m + 2 * ln_grads) * (tp - 1) / tp)
+    return Collective("tp", "tp", what, payload, moved,
+                      "m bsh e (t-1)/t x (12L, or 8L with sequence parallel, + ends) + LayerNorm grads")
+
+
+def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages: list[int]) -> list[Collective]:
+    """Stage boundaries: E per boundary per micro-batch forward (activations) and backward (their
+    gradients); a tied embedding/head split over two ranks: its gradient all-reduced, 2K(2-1)/2 = K."""
+    tp, m, last = lay.tp, lay.microbatches, lay.num_stages - 1
+    e = lay.micro_batch_size * g.block_size * g.n_embd * am.residual // (tp if lay.sequence_parallel else 1)
+    # a boundary between two stages of one rank (ZB-V's middle) is a local hand-over, no p2p
+    where = lay.stage_placement
+    sends = sum((s < last and where[s + 1] != where[s]) + (s > 0 and where[s - 1] != where[s]) for s in stages)
+    out = [Collective("send-recv", "pp", "activations forward and their gradients backward, per micro-batch",
+                      sends * e * m, sends * e * m, "m x (b s h e) per stage boundary")]
+    if g.tie_weights and (0 in stages) != (last in stages):
+        vloc = ceil_div(g.vocab_size, tp if lay.tp_vocab_parallel else 1)
+        kt = vloc * g.n_embd * PARAM_BYTES
+        out.append(Collective("all-reduce", "tied", "tied embedding/head gradient, first + last stage",
+                              kt, kt, "2K(2-1)/2"))
+    return out
