@@ -350,9 +350,9 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _positive("trainer.max_epochs", t.max_epochs, allow_zero=True)
     _positive("trainer.batch_size", t.batch_size)
     _positive("trainer.micro_batch_size", t.micro_batch_size, allow_zero=True)
-    for k in ("eval_every", "eval_batches", "log_every", "keep_snapshots"):
+    for k in ("eval_batches", "log_every", "keep_snapshots"):
         _positive(f"trainer.{k}", getattr(t, k))
-    for k in ("save_every", "sample_tokens", "grad_clip", "peak_flops"):
+    for k in ("eval_every", "save_every", "sample_tokens", "grad_clip", "peak_flops"):
         _positive(f"trainer.{k}", getattr(t, k), allow_zero=True)
     _choice("trainer.resume", t.resume, ("auto", "never", "require"))
     _choice("trainer.precision", t.precision, PRECISIONS)

@@ -320,6 +320,11 @@ class Trainer:
         loss = self.forward_backward()
         return loss, self.optimizer_step()
 
+    def _is_eval_step(self, step: int) -> bool:
+        """Every trainer.eval_every steps and at the last; never with eval_every = 0."""
+        every = self.cfg.trainer.eval_every
+        return bool(every) and (step % every == 0 or step == self.max_steps)
+
     def _is_log_step(self, step: int) -> bool:
         return step % self.cfg.trainer.log_every == 0 or step == self.max_steps
 
@@ -329,7 +334,7 @@ class Trainer:
         (one synchronize per window), so each window's time holds all of its GPU work."""
         t, step = self.cfg.trainer, self.step
         if self.strategy.device.type == "cuda" and (
-                self._is_log_step(step) or step % t.eval_every == 0 or (t.save_every and step % t.save_every == 0)):
+                self._is_log_step(step) or self._is_eval_step(step) or (t.save_every and step % t.save_every == 0)):
             torch.cuda.synchronize(self.strategy.device)
         return time.perf_counter() - t0
 
@@ -359,7 +364,7 @@ class Trainer:
             if row:
                 tokens_per_sec = row["tokens_per_sec"]
                 progress.update(self.step, row)
-            if self.step % t.eval_every == 0 or last:
+            if self._is_eval_step(self.step):
                 self.last_val_loss = row["val_loss"] = self.evaluate()
                 progress.message(f"step {self.step}: val loss {self.last_val_loss:.4f}")
             if row:
@@ -374,7 +379,7 @@ class Trainer:
         progress.close()
         if stopped:
             return RunSummary(self.step, stopped=stopped, snapshot=str(snapshot))
-        if self.last_val_loss is None:  # resumed at max_steps: nothing trained, still report it
+        if self.last_val_loss is None and t.eval_every:  # resumed at max_steps: nothing trained, still report it
             self.last_val_loss = self.evaluate()
         return RunSummary(self.step, val_loss=self.last_val_loss, median_step_ms=1000 * window.median(),
                           tokens_per_sec=tokens_per_sec)

@@ -162,8 +162,8 @@ def _finish(cfg: Config, env: DistEnv, trainer: Trainer, summary: RunSummary, ru
         sample = after_training("reading the sample", lambda: sample_path.read_text(encoding="utf-8")) \
             if sample_path.is_file() else None
         trainer.close_tracker(summary, sample)
-        print(f"done: step {summary.final_step} | val loss {summary.val_loss:.4f} | "
-              f"outputs in {run_dir}", flush=True)
+        val = f"{summary.val_loss:.4f}" if summary.val_loss is not None else "not evaluated (trainer.eval_every=0)"
+        print(f"done: step {summary.final_step} | val loss {val} | outputs in {run_dir}", flush=True)
 
 
 def _write_sample(trainer: Trainer, sd: dict, run_dir: Path) -> None:

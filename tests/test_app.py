@@ -186,3 +186,15 @@ def test_corpus_without_newlines_and_a_failing_output_after_training(tmp_path, c
     ours = [str(w.message) for w in caught if "sample" in str(w.message)]
     assert len(ours) == 1 and "\n" not in ours[0] and "IsADirectoryError" in ours[0], ours
     assert "done: step 2" in capsys.readouterr().out and (blocked / "model.pt").is_file()
+
+
+def test_eval_every_0_turns_evaluation_off(tmp_path, capsys):
+    """trainer.eval_every=0: no evaluation at any step, the end included; the run still finishes
+    and says that its loss was not evaluated."""
+    run = tmp_path / "run"
+    assert app.main(TINY + ["parallel.strategy=none", "trainer.max_steps=4", "trainer.log_every=2",
+                            "trainer.eval_every=0", "trainer.sample_tokens=0", f"trainer.run_dir={run}"]) == 0
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4] and not any("val_loss" in r for r in rows), rows
+    out = capsys.readouterr().out
+    assert "val loss not evaluated (trainer.eval_every=0)" in out and "step 4: val loss" not in out, out

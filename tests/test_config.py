@@ -142,7 +142,7 @@ BAD_INPUTS = {
     "max_epochs": (["trainer.max_epochs=-1"], "trainer.max_epochs must be >= 0"),
     "batch_size": (["trainer.batch_size=0"], "trainer.batch_size must be > 0"),
     "micro_batch_size": (["trainer.micro_batch_size=-2"], "trainer.micro_batch_size must be >= 0"),
-    "eval_every": (["trainer.eval_every=0"], "trainer.eval_every must be > 0"),
+    "eval_every": (["trainer.eval_every=-1"], "trainer.eval_every must be >= 0"),
     "eval_batches": (["trainer.eval_batches=0"], "trainer.eval_batches must be > 0"),
     "log_every": (["trainer.log_every=0"], "trainer.log_every must be > 0"),
     "keep_snapshots": (["trainer.keep_snapshots=0"], "trainer.keep_snapshots must be > 0"),
