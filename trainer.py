@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from launch.stopping import StopRequest
 from model import ModelCost
 from observe.health import FiniteCheck
 from observe.perf import Peak, set_fp32_matmul_mode
-from observe.step_metrics import StepWindow, memory_row
+from observe.step_metrics import RunSummary, StepWindow, memory_row
 from observe.tracker import NullTracker, Progress, RunTracker
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
 from snapshots.meta import SnapshotMeta
@@ -71,23 +70,6 @@ def total_steps(cfg: Config, data: TokenDataset) -> int:
     if t.max_epochs > 0:
         return max(1, math.ceil(t.max_epochs * data.steps_per_epoch(t.batch_size)))
     return t.max_steps
-
-
-@dataclass
-class RunSummary:
-    """How the step loop ended: `stopped` by a signal (its number; `snapshot` holds that step), or
-    finished (`val_loss` and the speed of the run)."""
-    final_step: int
-    stopped: int = 0
-    snapshot: str | None = None
-    val_loss: float | None = None
-    median_step_ms: float | None = None
-    tokens_per_sec: float | None = None
-
-    def metrics(self) -> dict[str, float | int]:
-        """The tracker's summary: every figure that was measured."""
-        return {k: v for k, v in dataclasses.asdict(self).items()
-                if v is not None and k in ("final_step", "val_loss", "median_step_ms", "tokens_per_sec")}
 
 
 class Trainer:

@@ -23,9 +23,10 @@ from launch.sampling import SAMPLE_FILE, write_sample
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
 from model import GPT, GPTConfig
 from observe.redact import redact_url
+from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, init_distributed, shutdown
 from snapshots.model_file import MODEL_FILE
-from trainer import RunSummary, Trainer
+from trainer import Trainer, lr_at
 
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --plan-json and --explain"
 
@@ -101,6 +102,25 @@ def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer
         print(startup_view(args, cfg, env, trainer), flush=True)
         if trainer.schedule_note:  # a resume whose LR schedule changed: says how, after the view
             print(trainer.schedule_note, flush=True)
+        for note in schedule_notes(cfg, trainer.max_steps):
+            print(note, flush=True)
+
+
+def schedule_notes(cfg: Config, max_steps: int) -> list[str]:
+    """`note:` lines for an LR schedule that never does what its keys say within this run: a
+    warmup longer than the run never reaches optimizer.lr; a cosine longer than the run never
+    reaches optimizer.min_lr (e.g. trainer.max_epochs on a small corpus gives fewer steps)."""
+    o, notes = cfg.optimizer, []
+    last = lr_at(max_steps - 1, cfg, max_steps)
+    if o.warmup_steps >= max_steps:
+        notes.append(f"note: optimizer.warmup_steps={o.warmup_steps} is not shorter than the run ({max_steps} steps): "
+                     f"the LR ends at {last:.3e} and never reaches optimizer.lr={o.lr:g}; lower "
+                     f"optimizer.warmup_steps (e.g. {max(1, max_steps // 10)})")
+    elif o.lr_decay_steps > max_steps:
+        notes.append(f"note: optimizer.lr_decay_steps={o.lr_decay_steps} is longer than the run ({max_steps} steps): "
+                     f"the LR ends at {last:.3e}, not optimizer.min_lr={o.min_lr:g}; set optimizer.lr_decay_steps=0 "
+                     f"to decay over the run")
+    return notes
 
 
 def startup_view(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer) -> str:

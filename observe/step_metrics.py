@@ -1,7 +1,9 @@
-"""What a log step measures besides the loss: the speed of the steps since the last log step
-(`StepWindow`) and the memory a rank really uses (`memory_row`: metrics.jsonl's `*_mb` columns, MiB)."""
+"""What the step loop measures besides the loss: the speed of the steps since the last log step
+(`StepWindow`), the memory a rank really uses (`memory_row`: metrics.jsonl's `*_mb` columns, MiB),
+and how the loop ended (`RunSummary`)."""
 from __future__ import annotations
 
+import dataclasses
 import resource
 from dataclasses import dataclass, field
 
@@ -53,3 +55,20 @@ class StepWindow:
 
     def median(self) -> float:
         return sorted(self.closed)[len(self.closed) // 2] if self.closed else 0.0
+
+
+@dataclass
+class RunSummary:
+    """How the step loop ended: `stopped` by a signal (its number; `snapshot` holds that step), or
+    finished (`val_loss` and the speed of the run)."""
+    final_step: int
+    stopped: int = 0
+    snapshot: str | None = None
+    val_loss: float | None = None
+    median_step_ms: float | None = None
+    tokens_per_sec: float | None = None
+
+    def metrics(self) -> dict[str, float | int]:
+        """The tracker's summary: every figure that was measured."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if v is not None and k in ("final_step", "val_loss", "median_step_ms", "tokens_per_sec")}

@@ -198,3 +198,23 @@ def test_eval_every_0_turns_evaluation_off(tmp_path, capsys):
     assert [r["step"] for r in rows] == [2, 4] and not any("val_loss" in r for r in rows), rows
     out = capsys.readouterr().out
     assert "val loss not evaluated (trainer.eval_every=0)" in out and "step 4: val loss" not in out, out
+
+
+@pytest.mark.parametrize("overrides, note", [
+    (["trainer.max_steps=4", "optimizer.warmup_steps=10"],
+     "note: optimizer.warmup_steps=10 is not shorter than the run (4 steps): the LR ends at 4.000e-04 and never "
+     "reaches optimizer.lr=0.001"),
+    (["trainer.max_steps=4", "optimizer.lr_decay_steps=8"],
+     "note: optimizer.lr_decay_steps=8 is longer than the run (4 steps): the LR ends at"),
+])
+def test_a_schedule_the_run_never_completes_is_noted_at_start_up(overrides, note, tmp_path, capsys):
+    """A warmup or a cosine longer than the run never reaches optimizer.lr or optimizer.min_lr:
+    the start-up view says so in one line, with the LR the run really ends at."""
+    run = tmp_path / "run"
+    assert app.main(TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "optimizer.lr=1e-3",
+                            f"trainer.run_dir={run}", *overrides]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("note:")]
+    assert len(lines) == 1 and lines[0].startswith(note), lines
+    if "warmup" in note:
+        rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+        assert max(r["lr"] for r in rows if "lr" in r) < 1e-3
