@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import itertools
 import json
 import typing
 from dataclasses import dataclass, field
@@ -237,8 +236,9 @@ def reject_dashed_overrides(argv: list[str]) -> None:
                              f"dashes, as {name}={value or '<value>'}")
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Defaults <- YAML file <- `section.key=value` overrides, then validate()."""
+def load_config(path: str | None, overrides: list[str] = (), world_size: int | None = None) -> Config:
+    """Defaults <- YAML file <- `section.key=value` overrides, then validate() (`world_size`: the
+    launch's, when known, so its blockers are reported with the config's)."""
     cfg = Config()
     if path is not None:
         p = Path(path)
@@ -270,7 +270,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError:
             value = text
         _set(cfg, key.strip(), value)
-    validate(cfg)
+    validate(cfg, world_size)
     return cfg
 
 
@@ -290,15 +290,21 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def validate(cfg: Config) -> None:
-    """Checks that need only the config, section by section; the first problem is raised (checks
-    that need the world size: parallel/layout.py, Layout.of)."""
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Checks that need only the config (and the world size, when given), section by section. The
+    first problem is raised, except for the parallel keys, whose blockers are all named in one
+    message, the world size first: fixing one must not reveal the next (the batch split and
+    the pipeline: parallel/layout.py, Layout.of)."""
     _validate_data(cfg.data)
     _validate_model(cfg.model)
     _validate_trainer(cfg.trainer)
     _validate_optimizer(cfg.optimizer)
     _validate_parallel(cfg.parallel)
-    for problem in itertools.chain(parallel_problems(cfg), wandb_problems(cfg.wandb)):  # lazily: the first
+    blockers = list(parallel_problems(cfg, world_size))
+    if blockers:
+        raise UsageError(blockers[0] if len(blockers) == 1 else
+                         f"{len(blockers)} problems: " + "; ".join(f"({i}) {b}" for i, b in enumerate(blockers, 1)))
+    for problem in wandb_problems(cfg.wandb):
         raise UsageError(problem)
 
 

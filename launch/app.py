@@ -10,6 +10,7 @@ agreed step, saved (`train_until_stopped`, `stop_exit_code`); outside the step l
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 import warnings
@@ -34,7 +35,7 @@ PLAN_ONLY_FLAGS = "--world-size, --device-memory, --plan-json and --explain"
 def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     """One launch. `keep_process_group`: leave the process group up at the end, for a caller that
     runs several launches in one torchrun job (the tests' workers)."""
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if args.world_size is not None or args.device_memory is not None or args.plan_json or args.explain:
         raise UsageError(f"{PLAN_ONLY_FLAGS} only apply with --plan; add --plan")
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from config import Config, UsageError
-from parallel.options import Engine
+from parallel.options import Engine, world_size_problem
 
 MESH_DIMS = ("pp", "dp", "tp")
 # With parallel.dp_replicate = R > 1 (HSDP) dp is built as (R, dp / R) and flattened back into "dp".
@@ -60,9 +60,8 @@ class Layout:
     def of(cls, cfg: Config, world_size: int) -> "Layout":
         """The layout of `cfg` on `world_size` ranks, or a UsageError naming what does not fit."""
         p, t = cfg.parallel, cfg.trainer
-        if world_size % (p.tp * p.pp):
-            raise UsageError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
-                             f"{p.tp * p.pp}; launch a multiple of {p.tp * p.pp} processes")
+        if blocker := world_size_problem(world_size, p.tp, p.pp):
+            raise UsageError(blocker)
         dp = world_size // (p.tp * p.pp)
         if p.strategy == "dp" and world_size > 1:
             raise UsageError(f"parallel.strategy=dp drives all GPUs from ONE process but this launch has "

@@ -49,10 +49,20 @@ class Engine(str, Enum):
         return [f"parallel.{k}={v}" for k, v in self.config_values.items()]
 
 
-def problems(cfg: Config) -> Iterator[str]:
+def world_size_problem(world_size: int, tp: int, pp: int) -> str | None:
+    """The most basic blocker of a launch: tp x pp ranks must tile the world."""
+    if world_size % (tp * pp):
+        return (f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp * pp}; "
+                f"launch a multiple of {tp * pp} processes")
+    return None
+
+
+def problems(cfg: Config, world_size: int | None = None) -> Iterator[str]:
     """Every config-only problem of the parallel keys, one line each, in the order a user should
-    fix them."""
+    fix them; with `world_size` (the launch's), whether tp x pp tiles it comes first."""
     p, m = cfg.parallel, cfg.model
+    if world_size is not None and (blocker := world_size_problem(world_size, p.tp, p.pp)):
+        yield blocker
     if m.n_head % p.tp:
         yield (f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
                f"attention heads are split across tensor-parallel ranks")
@@ -95,6 +105,7 @@ def _model_split_problems(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -
         if not all(s.strip().isdigit() and int(s) >= 1 for s in parts):
             yield (f"parallel.pp_split='{p.pp_split}' must be comma-separated block counts "
                    f">= 1, e.g. '3,1'")
+            return  # the checks below read the counts
         if len(parts) != stages:
             yield (f"parallel.pp_split='{p.pp_split}' has {len(parts)} stages but pp x "
                    f"pp_stages_per_rank = {stages}; give {stages} counts")

@@ -232,3 +232,16 @@ def test_redact_url_hides_credentials_and_keeps_the_rest(url, shown):
     cfg = load_config(None, [f"data.path={url}"] if url.startswith("https://") else [])
     if url.startswith("https://"):
         assert cfg.data.path == url and cfg.to_dict()["data"]["path"] == (shown or url)
+
+
+def test_every_blocker_of_a_launch_in_one_line_world_size_first(tmp_path, capsys, monkeypatch):
+    """torchrun --nproc_per_node=4 main.py parallel.strategy=fsdp parallel.tp=3: the world size
+    (4 is no multiple of tp x pp = 3) and the heads (4 do not split over tp=3) are both named, the
+    world size first, in the one error line: fixing the heads must not reveal the world size."""
+    monkeypatch.setenv("WORLD_SIZE", "4")  # what torchrun sets; the config is refused before any group
+    assert app.main(TINY + ["parallel.strategy=fsdp", "parallel.tp=3", f"trainer.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: 2 problems: (1) world size 4 is not divisible by "
+                                                   "parallel.tp * parallel.pp = 3"), err
+    assert "(2) model.n_head=4 is not divisible by parallel.tp=3" in err, err
+    assert not (tmp_path / "run").exists()
