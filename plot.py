@@ -92,7 +92,7 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if key.endswith("_mb"):
-            ax.set_ylabel("MB")
+            ax.set_ylabel("MB (10^6 bytes)")
         ax.grid(True, alpha=0.3)
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))

@@ -1,5 +1,6 @@
 """What the step loop measures besides the loss: the speed of the steps since the last log step
-(`StepWindow`), the memory a rank really uses (`memory_row`: metrics.jsonl's `*_mb` columns, MiB),
+(`StepWindow`), the memory a rank really uses (`memory_row`: metrics.jsonl's `*_mb` columns, in
+MB = 10^6 bytes, the unit of --plan and the strategy report, so their figures compare as they are),
 and how the loop ended (`RunSummary`)."""
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 from parallel.strategy import Strategy
 
+MB = 10**6  # every memory figure the project prints or logs: SI megabytes, as costs/units.py
+
 
 def rss_peak_bytes() -> int:
     """Peak resident set size of this process: every byte it touched (interpreter, libraries,
@@ -20,7 +23,7 @@ def rss_peak_bytes() -> int:
 
 
 def memory_row(strategy: Strategy, held: dict[str, int]) -> dict[str, float]:
-    """Collective over all ranks. MiB, max over ranks: the process's peak RSS, the tensor bytes
+    """Collective over all ranks. MB (10^6 bytes), max over ranks: the process's peak RSS, the tensor bytes
     the strategy holds (`held`: Strategy.resident_bytes; params, grads, optimizer state:
     comparable across strategies), and on CUDA the allocator's peak."""
     row = {"rss_peak_mb": rss_peak_bytes(), "held_params_mb": held.get("params", 0),
@@ -32,7 +35,7 @@ def memory_row(strategy: Strategy, held: dict[str, int]) -> dict[str, float]:
         t = torch.tensor(values, dtype=torch.float64, device=strategy.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         values = t.tolist()
-    return {k: v / 2**20 for k, v in zip(row, values)}
+    return {k: v / MB for k, v in zip(row, values)}
 
 
 @dataclass
