@@ -73,35 +73,58 @@ def labels(run_dirs: list[Path]) -> list[str]:
 def plot(run_dirs: list[Path], out: Path) -> list[str]:
     """Draw the runs' metrics into the PNG `out`; returns the panel keys drawn."""
     runs = [(label, read_metrics(p)) for label, p in zip(labels(run_dirs), run_dirs)]
+    fig, keys = draw(runs)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, format="png"))
+    return keys
+
+
+def draw(runs: list[tuple[str, list[dict]]]) -> tuple[Figure, list[str]]:
+    """The figure of (label, rows) runs: one panel per metric, one line per run."""
     memory = sorted({k for _, rows in runs for r in rows for k in r if k.endswith("_mb")})
     keys = [k for k in [*PANELS, *memory] if any(series(rows, k)[0] for _, rows in runs)]
     if not keys:
-        raise UsageError(f"no metric to plot in {', '.join(map(str, run_dirs))}: the rows carry none of "
-                         f"{', '.join([*PANELS, '*_mb'])}")
+        raise UsageError(f"no metric to plot in the runs {', '.join(label for label, _ in runs)}: the rows carry "
+                         f"none of {', '.join([*PANELS, '*_mb'])}")
     nrows = math.ceil(len(keys) / COLUMNS)
     fig = Figure(figsize=(COLUMNS * PANEL_W, nrows * PANEL_H + 0.6), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, COLUMNS, squeeze=False).ravel()
+    steps = [r["step"] for _, rows in runs for r in rows]
     for ax, key in zip(axes, keys):
-        for i, (label, rows) in enumerate(runs):
-            steps, values = series(rows, key)
-            if steps:  # dashes per run: runs with equal values (memory, lr) stay visible on top of each other
-                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label,
-                        linestyle=LINESTYLES[i % len(LINESTYLES)])
-        ax.set_title(PANELS.get(key, f"memory: {key}"))
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if key.endswith("_mb"):
-            ax.set_ylabel("MB (10^6 bytes)")
-        ax.grid(True, alpha=0.3)
-        if key == "lr":
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        _panel(ax, key, [(label, *series(rows, key)) for label, rows in runs], (min(steps), max(steps)))
     for ax in axes[len(keys):]:
         ax.set_visible(False)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="outside upper center", ncols=min(len(runs), 4), frameon=False)
-    atomic_write(out, lambda tmp: fig.savefig(tmp, format="png"))
-    return keys
+    return fig, keys
+
+
+def _panel(ax, key: str, lines: list[tuple[str, list[int], list[float]]], span: tuple[int, int]) -> None:
+    """One metric. Every panel spans the runs' steps (a metric logged once is a dot at its step,
+    not a panel of its own around it); values that agree to a relative 1e-3 are drawn on an axis
+    1% wide around them, without an offset ("1e-7+3.2435" makes agreeing runs look far apart)."""
+    values = []
+    for i, (label, steps, ys) in enumerate(lines):
+        if steps:  # dashes per run: runs with equal values (memory, lr) stay visible on top of each other
+            marker = "o" if len(steps) <= 3 else "." if len(steps) < 30 else None
+            ax.plot(steps, ys, marker=marker, label=label, linestyle=LINESTYLES[i % len(LINESTYLES)])
+            values += ys
+    ax.set_title(PANELS.get(key, f"memory: {key}"))
+    ax.set_xlabel("step")
+    ax.set_xlim(span[0] - max(1, (span[1] - span[0]) * 0.02), span[1] + max(1, (span[1] - span[0]) * 0.02))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    low, high = min(values), max(values)
+    center = (low + high) / 2
+    if high - low <= 1e-3 * abs(center):
+        half = max(abs(center) * 0.005, 1e-12)
+        ax.set_ylim(center - half, center + half)
+    if key.endswith("_mb"):
+        ax.set_ylabel("MB (10^6 bytes)")
+    ax.grid(True, alpha=0.3)
+    if key == "lr":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3), useOffset=False)
+    else:
+        ax.ticklabel_format(axis="y", useOffset=False)
 
 
 def main(argv=None) -> int:

@@ -86,3 +86,20 @@ def test_plot_two_real_runs_and_bad_input(tmp_path, capsys):
     assert out.read_bytes() == png
     assert {p: p.read_bytes() for run in runs for p in run.rglob("*") if p.is_file()} == before
     assert json.loads(rows[0])["step"] == 2  # the garbled line above really was a metrics row
+
+
+def test_plot_axes_show_agreeing_runs_as_agreeing_and_short_series_in_context():
+    """Two runs whose val loss agrees to 2e-7 are drawn on an axis 1% wide without offset
+    notation (not '1e-7+3.2435', which makes them look far apart); a metric logged once is a
+    marked dot on the runs' whole step range, not a panel of its own around that step."""
+    rows_a = [{"step": s, "loss": 4.0 - s / 100} for s in range(10, 210, 10)] + [{"step": 200, "val_loss": 3.2435}]
+    rows_b = [{"step": s, "loss": 4.0 - s / 100} for s in range(10, 210, 10)] + [{"step": 200, "val_loss": 3.2435002}]
+    fig, keys = plot.draw([("a", rows_a), ("b", rows_b)])
+    ax = fig.axes[keys.index("val_loss")]
+    fig.canvas.draw()
+    assert ax.yaxis.get_major_formatter().get_offset() == "", ax.yaxis.get_major_formatter().get_offset()
+    low, high = ax.get_ylim()
+    assert low < 3.2435 < 3.2435002 < high and 0.01 * 3.2435 * 0.9 < high - low < 0.01 * 3.2435 * 1.1, (low, high)
+    left, right = ax.get_xlim()
+    assert left <= 10 and right >= 200, (left, right)
+    assert ax.lines[0].get_marker() == "o"
