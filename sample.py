@@ -11,11 +11,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from config import UsageError
+from config import TrainerConfig, UsageError
+from corpus.text import FALLBACK_RUN_DIR
 from corpus.tokenizers import tokenizer_from_dict
 from launch.sampling import default_prompt, generate_text
 from snapshots.consolidate import consolidate
-from snapshots.model_file import MODEL_FILE, read_model_file
+from snapshots.model_file import MISSING, MODEL_FILE, read_model_file
+
+
+def _missing(run_dir: Path) -> str:
+    """What to do when run_dir has no model.pt. An offline first run fell back to the standard
+    library's text and trained into a folder of its own: name it."""
+    if run_dir == Path(TrainerConfig.run_dir) and (Path(FALLBACK_RUN_DIR) / MODEL_FILE).is_file():
+        return (f"the default run fell back to the standard library's text (offline) and trained into "
+                f"{FALLBACK_RUN_DIR}: python sample.py --run-dir {FALLBACK_RUN_DIR}")
+    return MISSING
 
 
 def main(argv=None) -> int:
@@ -51,7 +61,7 @@ def main(argv=None) -> int:
         elif args.snapshot:
             model_file = consolidate(run_dir, None)
         else:
-            model_file = read_model_file(run_dir / MODEL_FILE)
+            model_file = read_model_file(run_dir / MODEL_FILE, missing=_missing(run_dir))
         model, tok = model_file.build_model(), tokenizer_from_dict(model_file.tokenizer)
         prompt = default_prompt(tok) if args.prompt is None else args.prompt
         print(generate_text(model, tok, prompt, args.tokens, args.temperature, args.top_k, args.seed))

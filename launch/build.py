@@ -36,7 +36,7 @@ def build_trainer(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, s
     source = open_source(cfg.model.init_from) if cfg.model.init_from and not resuming else None
     if source is not None:
         stored = check_tokenizer(source, cfg.data.tokenizer, stored)
-    data, tok, data_source = _open_data(cfg, env, stored, corpus)
+    data, tok, data_source = _open_data(cfg, env, stored, corpus, source)
     # ---- model: identical on every rank (same seed, or the same init_from file), then placed by the strategy
     torch.manual_seed(cfg.trainer.seed)
     gpt_cfg = GPTConfig.of(cfg.model, tok.vocab_size)
@@ -55,7 +55,8 @@ def _path_of(source: Source | None) -> Path | None:
     return source.path if source is not None else None
 
 
-def _open_data(cfg: Config, env: DistEnv, stored: dict | None, corpus: tuple[str, str] | None):
+def _open_data(cfg: Config, env: DistEnv, stored: dict | None, corpus: tuple[str, str] | None,
+               source: Source | None):
     """(dataset, tokenizer, description) of data.path: a text corpus (the local leader downloads,
     every rank reads the same text) or a token corpus read from disk (memmap), whose ids fix the
     tokenizer (a run folder's or init_from's must be the same)."""
@@ -63,7 +64,16 @@ def _open_data(cfg: Config, env: DistEnv, stored: dict | None, corpus: tuple[str
     if not token_corpus_kind(d.path):
         text, description = corpus or load_corpus(d, is_local_leader=env.local_rank == 0, barrier=env.barrier)
         tok = build_tokenizer(d.tokenizer, text, stored)
-        return CharDataset(tok.encode(text), cfg.model.block_size, d.val_fraction, cfg.trainer.seed), tok, description
+        try:
+            ids = tok.encode(text)
+        except UsageError as e:
+            if source is None:
+                raise
+            trained = f" (trained on {source.trained_on})" if source.trained_on else ""
+            raise UsageError(f"the corpus {description} does not fit the vocabulary of model.init_from "
+                             f"{source.path}{trained}: {str(e).split(';')[0]}; fine-tune on text with only "
+                             f"that model's characters (data.path=...)") from None
+        return CharDataset(ids, cfg.model.block_size, d.val_fraction, cfg.trainer.seed), tok, description
     token_corpus = open_token_corpus(d.path, d.tokenizer, d.val_path)
     tok = build_tokenizer(d.tokenizer, "", corpus_tokenizer(token_corpus, stored))
     data = TokenDataset(token_corpus.train, token_corpus.val, cfg.model.block_size, cfg.trainer.seed,

@@ -21,6 +21,7 @@ from storage.files import atomic_write
 
 MODEL_FILE = "model.pt"  # the run's final model, in its run folder
 _REQUIRED = ("model", "model_config", "tokenizer")
+MISSING = "train first (python main.py) or export a snapshot (python export.py --run-dir ...)"
 
 
 @dataclass
@@ -52,11 +53,11 @@ def write_model_file(path: Path, model_file: ModelFile) -> None:
 
 
 def read_model_file(path: Path, who: str = "", fix: str = "export it again with python export.py",
-                    mmap: bool = False) -> ModelFile:
-    """The model.pt at `path`, or a UsageError naming `who` reads it (e.g. 'model.init_from ') and `fix`."""
+                    mmap: bool = False, missing: str = MISSING) -> ModelFile:
+    """The model.pt at `path`, or a UsageError naming `who` reads it (e.g. 'model.init_from ') and
+    what to do: `fix` for a damaged or foreign file, `missing` for none."""
     if not path.is_file():
-        raise UsageError(f"{who}{path} not found; train first (python main.py) or export a snapshot "
-                         f"(python export.py --run-dir ...)")
+        raise UsageError(f"{who}{path} not found; {missing}")
     try:
         with warnings.catch_warnings():  # torch warns about odd pickle headers: the one line below says it
             warnings.simplefilter("ignore")

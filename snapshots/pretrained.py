@@ -42,6 +42,7 @@ class Source:
     model_config: dict
     tokenizer: dict
     weights: dict[str, torch.Tensor]
+    trained_on: str = ""  # the corpus it was trained on, when known (a run's model.pt: its data.path)
 
 
 def open_source(path_text: str) -> Source:
@@ -53,7 +54,8 @@ def open_source(path_text: str) -> Source:
 
 def _open_model_pt(path: Path) -> Source:
     mf = read_model_file(path, who="model.init_from ", fix="give a run's model.pt or a Hugging Face GPT-2 folder")
-    return Source(path, mf.model_config, mf.tokenizer, {k: v.float() for k, v in mf.model.items()})
+    trained_on = str(mf.config.get("data", {}).get("path", ""))  # redacted when written (Config.to_dict)
+    return Source(path, mf.model_config, mf.tokenizer, {k: v.float() for k, v in mf.model.items()}, trained_on)
 
 
 def _open_hf(path: Path) -> Source:

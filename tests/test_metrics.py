@@ -23,10 +23,10 @@ import time
 
 import pytest
 import torch
-from launch.build import build_trainer
 
 from config import load_config
 from harness import TINY
+from launch.build import build_trainer
 from observe import perf
 from observe.tracker import NullTracker
 from parallel.dp import DataParallelStrategy
