@@ -23,9 +23,10 @@ from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
 from model import GPT, GPTConfig
+from observe.perf import cpu_devices
 from observe.redact import redact_url
 from observe.step_metrics import RunSummary
-from parallel.env import DistEnv, init_distributed, shutdown
+from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
 from snapshots.model_file import MODEL_FILE
 from trainer import Trainer, lr_at
 
@@ -105,6 +106,8 @@ def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer
             print(trainer.schedule_note, flush=True)
         for note in schedule_notes(cfg, trainer.max_steps):
             print(note, flush=True)
+        if env.device.type == "cpu" and (crowded := cpu_devices(env.world_size, local_world_size(env.world_size))[1]):
+            warnings.warn(crowded, stacklevel=1)
 
 
 def schedule_notes(cfg: Config, max_steps: int) -> list[str]:

@@ -198,7 +198,22 @@ def device_peak(device: torch.device, precision: str, override: float = 0.0) -> 
     return peak, f"CPU {precision} matmul {peak / 1e9:.3g} GFLOP/s ({how})"
 
 
-def mfu(flops_per_token: float, tokens_per_sec: float, peak: float, n_devices: int) -> float:
+def cpu_devices(world_size: int, local_world_size: int) -> tuple[float, str | None]:
+    """How many measured CPU peaks a CPU launch really has: the peak is one process's, on the
+    threads it uses (torch.get_num_threads), so a node whose processes ask for more threads than it
+    has cores gives only cores / threads of them. Returns (devices over all nodes, a warning line
+    when the node is oversubscribed, else None)."""
+    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    per_node = min(float(local_world_size), cores / threads)
+    note = None
+    if local_world_size * threads > cores:
+        note = (f"{local_world_size} processes x {threads} thread(s) share {cores} cores: the node is "
+                f"oversubscribed, so MFU divides by the {per_node:g} process peaks its cores give, not "
+                f"{local_world_size}; launch at most {max(1, cores // threads)} processes per node for speed")
+    return per_node * world_size / local_world_size, note
+
+
+def mfu(flops_per_token: float, tokens_per_sec: float, peak: float, n_devices: float) -> float:
     """Fraction of the peak of all devices that the model's FLOPs use (0 when the peak is unknown)."""
     if peak <= 0:
         return 0.0

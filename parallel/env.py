@@ -40,6 +40,11 @@ class DistEnv:
             dist.barrier()
 
 
+def local_world_size(world_size: int) -> int:
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE; a single process: the world)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 

@@ -31,8 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from config import Config
 from model import GPT
+from observe.perf import cpu_devices
 from parallel.dtensor import full_tensor, local_tensor, same_layout_groups, settle_partial_grads
-from parallel.env import DistEnv
+from parallel.env import DistEnv, local_world_size
 from parallel.layout import Layout, describe
 from parallel.parallelize import parallelize
 from parallel.scaler import make_grad_scaler
@@ -87,9 +88,11 @@ class Strategy:
         return "none (one process, no parallelism)" if self.env.world_size == 1 else self.name
 
     @property
-    def num_devices(self) -> int:
-        """Devices this layout computes on, all processes together (MFU divides by their peak):
-        one per process."""
+    def num_devices(self) -> float:
+        """Devices this layout computes on, all processes together (MFU divides by their peak): one
+        per process; on CPU the process peaks the cores really give (observe/perf.py cpu_devices)."""
+        if self.device.type == "cpu":
+            return cpu_devices(self.env.world_size, local_world_size(self.env.world_size))[0]
         return self.env.world_size
 
     # ------------------------------------------------------------------ setup

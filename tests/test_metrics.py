@@ -19,6 +19,7 @@ device count and the peak that MFU divides by, and the fp32 matmul mode the GPU 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -186,3 +187,17 @@ def test_fp32_matmuls_run_as_tf32_on_cuda_only(monkeypatch):
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_mfu_counts_the_cpu_peaks_the_cores_really_give(monkeypatch):
+    """ddp with 4 one-thread processes on 2 cores: MFU divided by 4 one-thread peaks the machine
+    does not have (0.167 against 0.497 with 2 processes). The devices are the cores' worth of
+    process peaks, and the oversubscription is named; 2 processes on 2 cores are not flagged."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    devices, note = perf.cpu_devices(world_size=4, local_world_size=4)
+    assert devices == 2 and "4 processes x 1 thread(s) share 2 cores" in note, note
+    assert perf.cpu_devices(world_size=2, local_world_size=2) == (2, None)
+    assert perf.cpu_devices(world_size=8, local_world_size=4)[0] == 4  # two such nodes
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert perf.cpu_devices(world_size=2, local_world_size=2)[0] == 1  # 2 x 2 threads on 2 cores
