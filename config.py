@@ -15,6 +15,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -221,25 +222,13 @@ def _set(cfg: Config, dotted: str, value) -> None:
     setattr(section, key, _coerce(dotted, value, hints[key]))
 
 
-def reject_dashed_overrides(argv: list[str]) -> None:
-    """`--trainer.max_steps=20` (the option style of many other trainers) is not an option here:
-    say how overrides are written instead of argparse's bare "unrecognized arguments"."""
-    sections = {f.name for f in dataclasses.fields(Config)}
-    for i, arg in enumerate(argv):
-        if arg == "--":
-            return
-        name, eq, value = arg.lstrip("-").partition("=")
-        if arg.startswith("-") and "." in name and name.split(".", 1)[0] in sections:
-            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-                value = argv[i + 1]  # `--trainer.max_steps 20`
-            raise UsageError(f"'{arg}' is not an option: config overrides are written without leading "
-                             f"dashes, as {name}={value or '<value>'}")
-
-
-def load_config(path: str | None, overrides: list[str] = (), world_size: int | None = None) -> Config:
-    """Defaults <- YAML file <- `section.key=value` overrides, then validate() (`world_size`: the
-    launch's, when known, so its blockers are reported with the config's)."""
-    cfg = Config()
+def load_config(path: str | None, overrides: list[str] = (), world_size: int | None = None,
+                adopt: Callable[[Config, set[str]], None] | None = None) -> Config:
+    """Defaults <- YAML file <- `section.key=value` overrides, then `adopt(cfg, keys the user set)`
+    (values taken from elsewhere, e.g. model.init_from's shape, where the user set none: on the
+    command line or in a --config file other than the default one), then validate() (`world_size`:
+    the launch's, when known, so its blockers are reported with the config's)."""
+    cfg, explicit = Config(), set()
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -261,6 +250,8 @@ def load_config(path: str | None, overrides: list[str] = (), world_size: int | N
                 raise UsageError(f"config section '{sec}' in '{path}' must be a mapping of keys")
             for key, value in body.items():
                 _set(cfg, f"{sec}.{key}", value)
+                if p.resolve() != DEFAULT_CONFIG.resolve():
+                    explicit.add(f"{sec}.{key}")
     for item in overrides:
         if "=" not in item:
             raise UsageError(f"override '{item}' must look like section.key=value")
@@ -270,6 +261,9 @@ def load_config(path: str | None, overrides: list[str] = (), world_size: int | N
         except yaml.YAMLError:
             value = text
         _set(cfg, key.strip(), value)
+        explicit.add(key.strip())
+    if adopt is not None:
+        adopt(cfg, explicit)
     validate(cfg, world_size)
     return cfg
 

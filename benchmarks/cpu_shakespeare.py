@@ -43,8 +43,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
+from config import UsageError, load_config  # noqa: E402
 from launch.build import build_trainer  # noqa: E402
+from launch.errors import reject_dashed_overrides  # noqa: E402
 from observe.perf import measure_cpu_matmul_peak  # noqa: E402
 from parallel.env import init_distributed  # noqa: E402
 

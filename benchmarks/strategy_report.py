@@ -45,9 +45,10 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from config import UsageError, load_config, reject_dashed_overrides  # noqa: E402
+from config import UsageError, load_config  # noqa: E402
 from costs import planner  # noqa: E402
 from costs.measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes  # noqa: E402
+from launch.errors import reject_dashed_overrides  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
@@ -138,8 +139,8 @@ def planner_kind(call, groups: dict[tuple[int, ...], str]) -> str:
 
 def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
     import torch.distributed as dist
-    from launch.build import build_trainer
 
+    from launch.build import build_trainer
     from parallel.env import init_distributed
 
     cfg = config(overrides, run_dir)

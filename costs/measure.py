@@ -35,7 +35,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import UsageError, reject_dashed_overrides
+from config import UsageError
+from launch.errors import reject_dashed_overrides
 
 
 class SavedBytes:

@@ -7,6 +7,7 @@ TORCHELASTIC_ERROR_FILE, the file torchrun's failure summary shows.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -14,7 +15,7 @@ import warnings
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from config import UsageError
+from config import Config, UsageError
 from observe.health import NonFiniteError
 
 # How long a rank other than 0 waits before reporting an error under torchrun, so rank 0 (which
@@ -73,3 +74,18 @@ class OneLineErrors(ErrorHandler):
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"message": {"message": line, "extraInfo": {
                 "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+
+
+def reject_dashed_overrides(argv: list[str]) -> None:
+    """`--trainer.max_steps=20` (the option style of many other trainers) is not an option here:
+    say how overrides are written instead of argparse's bare "unrecognized arguments"."""
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return
+        name, eq, value = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and "." in name and name.split(".", 1)[0] in sections:
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                value = argv[i + 1]  # `--trainer.max_steps 20`
+            raise UsageError(f"'{arg}' is not an option: config overrides are written without leading "
+                             f"dashes, as {name}={value or '<value>'}")

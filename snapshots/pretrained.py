@@ -22,7 +22,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from config import UsageError
+from config import Config, UsageError
 from snapshots.model_file import ModelFile, read_model_file
 from storage.files import atomic_write
 
@@ -62,6 +62,20 @@ def _open_hf(path: Path) -> Source:
     def refuse(problem: str):
         raise UsageError(f"model.init_from {path}: {problem}")
 
+    cfg, tokenizer = _hf_header(path, refuse)
+    tensors = {}
+    for file in _safetensors_files(path, refuse):
+        try:
+            tensors.update(safetensors.torch.load_file(file))
+        except Exception as e:
+            refuse(f"{file.name} is not a readable safetensors file ({type(e).__name__}); download or "
+                   f"save it again")
+    return Source(path, cfg, tokenizer, _from_hf(tensors, cfg, refuse))
+
+
+def _hf_header(path: Path, refuse) -> tuple[dict, dict]:
+    """(GPTConfig fields, tokenizer record) of a Hugging Face GPT-2 folder, from its config.json
+    (and the tokenizer record export.py writes beside it): no weights are read."""
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -95,14 +109,32 @@ def _open_hf(path: Path) -> Source:
     else:
         refuse(f"vocab_size={cfg['vocab_size']} is not GPT-2's {GPT2_VOCAB} and there is no "
                f"{TOKENIZER_FILE}; only the GPT-2 tokenizer can be matched")
-    tensors = {}
-    for file in _safetensors_files(path, refuse):
-        try:
-            tensors.update(safetensors.torch.load_file(file))
-        except Exception as e:
-            refuse(f"{file.name} is not a readable safetensors file ({type(e).__name__}); download or "
-                   f"save it again")
-    return Source(path, cfg, tokenizer, _from_hf(tensors, cfg, refuse))
+    return cfg, tokenizer
+
+
+def adopt_source_shape(cfg: Config, explicit: set[str]) -> None:
+    """A new run from model.init_from takes the source's shape, GELU form and tokenizer for every
+    such key the user did not set (on the command line or in a --config file): its config.json or
+    model.pt holds them. A key the user did set keeps the user's value, and check_shape refuses it
+    if it conflicts, naming both. Reads no weights (a model.pt is memory-mapped)."""
+    path = Path(cfg.model.init_from).expanduser() if cfg.model.init_from else None
+    if path is None or not path.exists():  # validation names a missing path
+        return
+    if path.is_dir():
+        shape, tokenizer = _hf_header(path, lambda problem: _refuse_source(path, problem))
+    else:
+        mf = read_model_file(path, who="model.init_from ", mmap=True,
+                             fix="give a run's model.pt or a Hugging Face GPT-2 folder")
+        shape, tokenizer = {"gelu": "erf", **mf.model_config}, mf.tokenizer
+    for key in SHAPE_KEYS:
+        if f"model.{key}" not in explicit and key in shape:
+            setattr(cfg.model, key, shape[key])
+    if "data.tokenizer" not in explicit and tokenizer.get("kind") in ("char", "gpt2"):
+        cfg.data.tokenizer = tokenizer["kind"]
+
+
+def _refuse_source(path: Path, problem: str):
+    raise UsageError(f"model.init_from {path}: {problem}")
 
 
 def _safetensors_files(path: Path, refuse) -> list[Path]:

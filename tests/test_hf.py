@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import export
@@ -242,3 +243,22 @@ def test_mismatched_or_damaged_source_is_refused_in_one_line(case, hf_dir, bad_s
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (case, rc, err)
     assert words in lines[0], (case, lines[0])
     assert not run.exists(), f"{case}: a refused launch created its run folder"
+
+
+def test_init_from_adopts_the_source_shape_the_user_did_not_set(hf_dir, tmp_path, capsys):
+    """model.init_from takes the source's shape, GELU form and tokenizer from its config.json (or
+    model.pt) for every key the user did not set: no restating them. A value the user set that
+    conflicts is refused naming both (test_mismatched_or_damaged_source_is_refused_in_one_line)."""
+    path, _ = hf_dir
+    shapeless = [a for a in TINY if a.split("=")[0] not in ("model.n_layer", "model.n_head", "model.n_embd")]
+    base = shapeless + ["parallel.strategy=none", "trainer.max_steps=1", "trainer.sample_tokens=0"]
+    run = tmp_path / "from_hf"
+    assert app.main(base + [f"model.init_from={path}", f"trainer.run_dir={run}"]) == 0, capsys.readouterr().err
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert {k: recorded["model"][k] for k in ("n_layer", "n_head", "n_embd", "gelu")} == \
+        {"n_layer": 2, "n_head": 2, "n_embd": 32, "gelu": "tanh"}
+    assert recorded["data"]["tokenizer"] == "gpt2"
+    # and from a run's model.pt: its model_config and tokenizer
+    again = tmp_path / "from_pt"
+    assert app.main(base + [f"model.init_from={run / 'model.pt'}", f"trainer.run_dir={again}"]) == 0
+    assert yaml.safe_load((again / "config.yaml").read_text())["model"]["n_head"] == 2
