@@ -82,7 +82,7 @@ def test_fsdp_across_two_nodes_matches_one_process(one_process, two_node_run):
     # parameters after step 10, as the parity suite compares them after 10 steps: AdamW turns
     # ~1e-8 gradient differences on near-zero gradients into growing parameter differences
     # (measured here: 9.5e-6 after 60 steps), so the last step's would need a looser bound.
-    pa, pb = consolidate(one_process, 10)["model"], consolidate(two_node_run, 10)["model"]
+    pa, pb = consolidate(one_process, 10).model, consolidate(two_node_run, 10).model
     assert pa.keys() == pb.keys()
     worst = max((pa[k] - pb[k]).abs().max().item() for k in pa)
     assert worst <= PARAM_ATOL, worst
