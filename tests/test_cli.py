@@ -1,4 +1,4 @@
-"""The scripts' command lines (issue 13): every --help is whole, and plot.py draws the metrics of
+"""The scripts' command lines: every --help is whole, and plot.py draws the metrics of
 real runs into a PNG (bad input: one line, exit 2). The dotted-override hint and the GPU preset
 refusal are bad-input cases of tests/test_config.py."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""char_dataset.py (issue 2, part 2): tokenizers, the contiguous split, the batch order as a pure
+"""char_dataset.py: tokenizers, the contiguous split, the batch order as a pure
 function of (seed, step) whatever the world size, epochs, truncation, and the corpus download
 (local http.server on 127.0.0.1 only: no test contacts a real host)."""
 from __future__ import annotations

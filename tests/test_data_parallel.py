@@ -1,4 +1,4 @@
-"""The data-parallel family (issue 3): dp, ddp, zero stages 1/2/3, fsdp.
+"""The data-parallel family (dp, ddp, zero stages 1/2/3, fsdp) against one process.
 
 - parity with one process (tests/parity.py: first-step gradients <= 1e-6 abs, loss <= 1e-4 rel
   and gradient norm <= 1e-5 rel at each of 10 steps, parameters after the first and the last

@@ -1,4 +1,4 @@
-"""GPT-2 weights in and out (issue 12 part 5, issue 13 "fine-tuning from a finished run"), against
+"""GPT-2 weights in and out, and fine-tuning from a finished run, against
 the real `transformers` library with no download: a small random GPT2LMHeadModel imported with
 model.init_from gives its logits; our runs exported with `export.py --format hf` load in
 transformers with our logits; a fine-tune of the import under fsdp and tp=2 starts from the

@@ -1,4 +1,4 @@
-"""Past one machine (issue 12): two torchrun agents on this machine act as two nodes of one job
+"""Past one machine: two torchrun agents on this machine act as two nodes of one job
 (tests/multinode.py), and scripts/slurm/train.sbatch runs under stand-in srun/scontrol commands.
 
 - fsdp across the two "nodes" equals one process (losses and gradient norms at every step,

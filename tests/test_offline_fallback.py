@@ -1,4 +1,4 @@
-"""The offline fallback corpus trains into its own default run folder (issue 13, item 7).
+"""The offline fallback corpus trains into its own default run folder.
 
 With data.path an unreachable URL that is not cached, the run trains on the Python standard
 library's text. With trainer.run_dir left at its default, that run goes to runs/python_stdlib

@@ -1,4 +1,4 @@
-"""Resume on another world size and another strategy (issue 5): one run folder is trained in
+"""Resume on another world size and another strategy: one run folder is trained in
 segments, each launch resuming the previous launch's snapshot with a different layout:
 
     ddp x2 -> ddp x1 -> hsdp 2x2 (x4) -> fsdp x2 (strategy switch) -> fsdp x4 -> zero-3 x4

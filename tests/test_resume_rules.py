@@ -1,4 +1,4 @@
-"""A resume must not silently change the run (issue 9, item 6).
+"""A resume must not silently change the run.
 
 - A resume whose data stream differs from the snapshot's (corpus content, data.truncate,
   data.val_fraction, trainer.seed, trainer.batch_size, model.block_size) is refused with one line

@@ -1,4 +1,4 @@
-"""Snapshot integrity (issue 9, items 4 and 8), by really damaging and really tampering with the
+"""Snapshot integrity, by really damaging and really tampering with the
 files of a trained run and running the app, export.py and sample.py on it:
 
 - damaged snapshots newer than the resume point (a flipped byte, a truncated data file, no

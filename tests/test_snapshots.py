@@ -1,4 +1,4 @@
-"""Snapshots (issue 5): bit-exact resume, SIGKILL of a worker under torchrun --max-restarts at
+"""Snapshots: bit-exact resume, SIGKILL of a worker under torchrun --max-restarts at
 random moments and during a snapshot write, damaged snapshots, keep policy, resume rules."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stopping safely (issue 9, items 2 and 3; issue 13, item 8): a Ctrl-C (SIGINT to the whole
+"""Stopping safely: a Ctrl-C (SIGINT to the whole
 process group, as a terminal sends it) or a SIGTERM to one worker stops every rank at one step with
 one snapshot of it, also when a second SIGTERM lands in the middle of that snapshot's write; the job
 prints one closing line naming the snapshot and the command that resumes, and no traceback of ours;

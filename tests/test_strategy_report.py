@@ -1,4 +1,4 @@
-"""benchmarks/strategy_report.py and its counters (issue 11, items 3 and 4).
+"""benchmarks/strategy_report.py and its counters measure what the planner predicts.
 
 - measure.CollectiveCounter against collectives of known size, one 2-process launch
   (tests/count_worker.py): each kind counted once with its exact payload (the c10d ops, the

@@ -1,4 +1,4 @@
-"""Corpora that do not fit in memory (issue 12, part 4): prepare.py's multi-process streaming
+"""Corpora that do not fit in memory: prepare.py's multi-process streaming
 tokenizer and its folder format, nanoGPT's train.bin/val.bin, batches read through numpy.memmap
 that equal the in-memory ones at every dp size, resident memory on a 1 GB token file, the corpus
 identity a resume compares, and every damaged token corpus refused with one line, exit 2, the

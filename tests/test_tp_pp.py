@@ -1,4 +1,4 @@
-"""Tensor parallel, pipeline parallel and their meshes (issue 4) against one process.
+"""Tensor parallel, pipeline parallel and their meshes against one process.
 
 Parity (tests/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 10 steps <= 1e-4
 relative, the logged gradient norm at each step <= 1e-5 relative, the parameters after the first

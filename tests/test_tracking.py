@@ -1,7 +1,7 @@
-"""Run tracking (issue 6): metrics.jsonl, wandb offline files, resume of the same wandb run, one
+"""Run tracking: metrics.jsonl, wandb offline files, resume of the same wandb run, one
 wandb run per multi-process run, a broken wandb that does not stop training, no secret in the
-run folder, the wandb.* config keys, and the progress view (terminal bar and plain lines). Issue 9:
-the wandb run of a newline-free corpus is finished, and a data.path URL's password and token are
+run folder, the wandb.* config keys, and the progress view (terminal bar and plain lines); the wandb run of
+a newline-free corpus is finished, and a data.path URL's password and token are
 in no file and no output line.
 
 No test touches the network: wandb runs offline, the "broken wandb" case points online mode
@@ -129,7 +129,7 @@ def test_offline_run_logs_everything_and_resume_continues_the_same_run(tmp_path)
     run_dir = tmp_path / "run"
     args = TINY + [f"trainer.run_dir={run_dir}", "parallel.strategy=none", "wandb.enabled=true",
                    "trainer.save_every=5", "wandb.group=g1", "wandb.tags=t1,t2"]
-    # WANDB_MODE=offline from the environment beats the API key (the issue's `WANDB_MODE=offline torchrun`)
+    # WANDB_MODE=offline from the environment beats the API key (`WANDB_MODE=offline torchrun ...`)
     env = main_env(tmp_path, WANDB_API_KEY=FAKE_KEY)
     first = run_main(args + ["trainer.max_steps=10"], env)
 
@@ -221,7 +221,7 @@ def corpus_behind_credentials():
 
 def test_two_process_run_has_one_finished_wandb_run_and_no_secret(tmp_path, corpus_behind_credentials):
     """One launch (launches cost seconds of imports) for the 2-process checks: one wandb run, written
-    by the tracker rank only; and two faults of issue 9: (1) the corpus has no "\n", which the
+    by the tracker rank only; and two faults once seen: (1) the corpus has no "\n", which the
     end-of-run sample used to start from: the finished run exited 2, its wandb run stayed unfinished
     and rank 1 lost its peer; (2) data.path holds a password and a token, which were copied into
     config.yaml, meta.json, model.pt, wandb and stdout. The download must still use them."""

@@ -1,4 +1,5 @@
-"""Relaunching a finished run (issue 13, items 2 and 9).
+"""Relaunching a finished run: what a launch with nothing left to train, and one that trains
+longer with a changed LR schedule, print and change.
 
 - A launch with nothing left to train (resumed at or past its last step) says so in one line
   (the step reached, how to train longer, how to start fresh), exits 0 and changes nothing in
