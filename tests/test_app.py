@@ -20,7 +20,7 @@ import export
 import main as app
 import sample
 from config import load_config
-from harness import CORPUS, TINY, python
+from launch.local import CORPUS, TINY, python
 from parallel.env import init_distributed
 from trainer import lr_at, total_steps
 

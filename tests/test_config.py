@@ -18,7 +18,7 @@ import yaml
 
 import main as app
 from config import Config, load_config, redact_url
-from harness import REPO, TINY, python
+from launch.local import REPO, TINY, python
 
 YAML_PATH = REPO / "gpt2_train_cfg.yaml"
 

@@ -23,7 +23,7 @@ from char_dataset import (
     load_corpus,
 )
 from config import DataConfig, UsageError
-from harness import TINY, python
+from launch.local import TINY, python
 
 # ----------------------------------------------------------------------------- tokenizers
 

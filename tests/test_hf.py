@@ -21,7 +21,7 @@ import export
 import main as app
 from char_dataset import Batching, CharDataset, load_corpus
 from config import load_config
-from harness import TINY, torchrun
+from launch.local import TINY, torchrun
 from parallel.env import init_distributed
 from sample import load_model_pt
 

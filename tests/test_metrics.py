@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from config import load_config
-from harness import TINY
+from launch.local import TINY
 from main import build_trainer
 from observe import perf
 from observe.tracker import NullTracker

@@ -1,8 +1,8 @@
 """Past one machine: two torchrun agents on this machine act as two nodes of one job
-(tests/multinode.py), and scripts/slurm/train.sbatch runs under stand-in srun/scontrol commands.
+(launch/multinode.py), and scripts/slurm/train.sbatch runs under stand-in srun/scontrol commands.
 
 - fsdp across the two "nodes" equals one process (losses and gradient norms at every step,
-  parameters after step 10: tests/parity.py's tolerances);
+  parameters after step 10: costs/parity.py's tolerances);
 - a worker SIGKILLed on one node under --max-restarts: both agents restart their workers, and the
   job ends bit-identical to the uninterrupted one;
 - elastic membership (--nnodes=1:2): one whole node is SIGKILLed after a snapshot; the other
@@ -30,10 +30,18 @@ import pytest
 import torch
 
 import main as app
+from costs.parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
 from export import consolidate
-from harness import REPO, TINY, child_env, multiprocess_lock, worker_pids
-from multinode import LAUNCH_TIMEOUT_S, free_port, kill_tree, lose_node_after_snapshot, two_nodes, wait_all, wait_for
-from parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
+from launch.local import REPO, TINY, child_env, multiprocess_lock, worker_pids
+from launch.multinode import (
+    LAUNCH_TIMEOUT_S,
+    free_port,
+    kill_tree,
+    lose_node_after_snapshot,
+    two_nodes,
+    wait_all,
+    wait_for,
+)
 
 STEPS = 60
 # log_every=1: a loss and a gradient norm for every step; snapshots every 10 steps.

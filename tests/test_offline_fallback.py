@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import main as app
 from config import TrainerConfig
-from harness import TINY
+from launch.local import TINY
 from test_data import closed_port
 
 

@@ -24,7 +24,7 @@ import main as app
 from config import load_config
 from costs import planner
 from costs.measure import SavedBytes
-from harness import TINY, torchrun
+from launch.local import TINY, torchrun
 from model import GPT, lm_loss
 
 # The report's bar is 5% (docs/planner.md); predictions agree to the byte, except that the trainer's inputs and targets

@@ -14,7 +14,7 @@ import sys
 
 from char_dataset import corpus_cache_path
 from config import DataConfig
-from harness import CORPUS, REPO, child_env, multiprocess_lock
+from launch.local import CORPUS, REPO, child_env, multiprocess_lock
 
 SHORT = ["trainer.max_steps=3", "trainer.eval_batches=2"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import main as app
-from harness import TINY, python, torchrun
+from launch.local import TINY, python, torchrun
 
 STEPS = 2  # per segment
 COMMON = TINY + ["trainer.log_every=1", "trainer.eval_every=1000", "trainer.sample_tokens=0",

@@ -20,7 +20,7 @@ import torch
 
 import main as app
 from config import load_config
-from harness import CORPUS, TINY, torchrun
+from launch.local import CORPUS, TINY, torchrun
 from main import build_trainer
 from parallel.env import init_distributed
 from snapshots.store import SnapshotManager

@@ -25,8 +25,8 @@ import pytest
 # (and can no longer read the Python installation) has them already
 import main as app
 from config import UsageError
-from harness import REPO, TINY, child_env, torchrun
 from launch import runlock
+from launch.local import REPO, TINY, child_env, torchrun
 
 RUN = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "trainer.save_every=2"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import main as app
-from harness import REPO, TINY, child_env, multiprocess_lock, python, torchrun, worker_pids
+from launch.local import REPO, TINY, child_env, multiprocess_lock, python, torchrun, worker_pids
 
 # The cosine schedule's length is fixed, so a run cut at step k and resumed with a larger
 # max_steps follows the same LR curve as the uninterrupted one.

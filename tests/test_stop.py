@@ -21,7 +21,7 @@ import torch
 
 import main as app
 from config import load_config
-from harness import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
+from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
 from launch.stopping import torchrun_command
 from parallel.env import init_distributed
 

@@ -18,7 +18,7 @@ import main as app
 import prepare
 from char_dataset import Batching, CharTokenizer, GPT2Tokenizer, TokenDataset
 from corpus.token_files import GPT2_VOCAB, SIDECAR, TokenFiles, open_token_corpus, probe
-from harness import TINY, python
+from launch.local import TINY, python
 from test_config import digests
 
 EOT = 50256

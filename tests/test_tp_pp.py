@@ -1,6 +1,6 @@
 """Tensor parallel, pipeline parallel and their meshes against one process.
 
-Parity (tests/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 10 steps <= 1e-4
+Parity (costs/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 10 steps <= 1e-4
 relative, the logged gradient norm at each step <= 1e-5 relative, the parameters after the first
 and the last step <= 1e-5 abs (fp16: norm and parameters after the first step only, see
 parity.assert_parity), plus the validation loss after the last step (Trainer.evaluate: under pp
@@ -27,10 +27,9 @@ import torch
 
 import main as app
 from config import UsageError, load_config
-from harness import TINY, torchrun
+from costs.parity import FP16_SCALE, LOSS_RTOL, assert_parity, load_case, run_steps
+from launch.local import TINY, torchrun
 from parallel.layout import Layout
-from parity import FP16_SCALE, LOSS_RTOL, assert_parity, load_case
-from tp_pp_worker import run_case
 
 STEPS = 10
 VAL_RTOL = 1e-4
@@ -106,9 +105,11 @@ def assert_tp_fp16_tracks(ref: dict, got: dict, name: str) -> None:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    return {"tied": run_case(["parallel.strategy=none"], STEPS, out / "tied"),
-            "untied": run_case(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied"),
-            "tied_fp16": run_case(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16")}
+    return {"tied": run_steps(["parallel.strategy=none"], STEPS, out / "tied", evaluate=True),
+            "untied": run_steps(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied",
+                                evaluate=True),
+            "tied_fp16": run_steps(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16",
+                                   evaluate=True)}
 
 
 @pytest.fixture(scope="module")

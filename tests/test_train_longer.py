@@ -15,7 +15,7 @@ from pathlib import Path
 
 import main as app
 from config import load_config
-from harness import TINY
+from launch.local import TINY
 from trainer import lr_at
 
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=20"]
