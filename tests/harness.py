@@ -4,6 +4,8 @@ machine-wide lock, the tiny config, the device switch; shared with benchmarks/) 
 
 - the suite's device check: a cuda session needs SUITE_GPUS GPUs (tests/conftest.py refuses one
   with fewer before any test runs);
+- training in this process through main.main (`app_in_process`);
+- reading what a run folder holds: metrics rows, logged steps, model.pt's tensors;
 - the skeleton of every torchrun worker script (tests/*_worker.py): `run_worker`.
 """
 from __future__ import annotations
@@ -35,6 +37,34 @@ def device_problem(device: str = DEVICE) -> str | None:
                 f"NCCL) but torch {torch.__version__} sees {gpus}: run it on a machine with {SUITE_GPUS} GPUs, "
                 f"or unset {DEVICE_ENV} to run it on the CPU")
     return None
+
+
+# ----------------------------------------------------------------------------- runs in this process
+
+
+def app_in_process(base: list[str]) -> Callable[..., int]:
+    """`train(run_dir, *overrides)`: main.main(base + trainer.run_dir + overrides) in this process,
+    what `python main.py ...` runs; returns its exit code."""
+    def train(run_dir: Path, *extra: str) -> int:
+        import main
+
+        return main.main([*base, f"trainer.run_dir={run_dir}", *extra])
+    return train
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """The rows of `run_dir`/metrics.jsonl, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    """The step of every row of `run_dir`/metrics.jsonl, in order."""
+    return [row["step"] for row in metric_rows(run_dir)]
+
+
+def model_tensors(run_dir: Path) -> dict:
+    """The model's tensors in `run_dir`/model.pt, by name."""
+    return torch.load(run_dir / "model.pt", weights_only=True)["model"]
 
 
 # ----------------------------------------------------------------------------- torchrun workers

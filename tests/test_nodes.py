@@ -17,7 +17,6 @@ all of it; every process left is SIGKILLed in `finally`.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -32,6 +31,7 @@ import torch
 import main as app
 from costs.parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
 from export import consolidate
+from harness import metric_rows, model_tensors
 from launch.local import REPO, TINY, child_env, multiprocess_lock, worker_pids
 from launch.multinode import (
     LAUNCH_TIMEOUT_S,
@@ -49,14 +49,6 @@ STEPS = 60
 NODES = TINY + ["trainer.sample_tokens=0", "parallel.strategy=fsdp", "model.n_embd=64",
                 f"trainer.max_steps={STEPS}", "trainer.save_every=10", "trainer.keep_snapshots=10",
                 "trainer.log_every=1", "trainer.eval_every=30"]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def model_tensors(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +73,7 @@ def two_node_run(tmp_path_factory):
 
 
 def test_fsdp_across_two_nodes_matches_one_process(one_process, two_node_run):
-    ref, got = metrics(one_process), metrics(two_node_run)
+    ref, got = metric_rows(one_process), metric_rows(two_node_run)
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
@@ -111,7 +103,7 @@ def test_worker_killed_on_one_node_restarts_both_and_ends_bit_identical(two_node
     assert [w for w, _ in resumed] == ["2"] and int(resumed[0][1]) >= 10, out[-6000:]
     ta, tb = model_tensors(two_node_run), model_tensors(run)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-    assert [(r["step"], r["loss"]) for r in metrics(run)] == [(r["step"], r["loss"]) for r in metrics(two_node_run)]
+    assert [(r["step"], r["loss"]) for r in metric_rows(run)] == [(r["step"], r["loss"]) for r in metric_rows(two_node_run)]
 
 
 def test_node_lost_the_other_reforms_alone_and_continues_the_curve(one_process, tmp_path):
@@ -131,7 +123,7 @@ def test_node_lost_the_other_reforms_alone_and_continues_the_curve(one_process, 
     # LOSS_RTOL (1e-4) is the bound of tests/test_reshard.py for a run resumed in another layout;
     # measured here 1.4e-7 (summation order), while the losses of neighbouring steps differ by a
     # median 2% (1.7e-4 at the closest), so a data order off by one step fails at almost every step.
-    ref, got = metrics(one_process), metrics(run)
+    ref, got = metric_rows(one_process), metric_rows(run)
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
@@ -225,7 +217,7 @@ def test_slurm_script_trains_on_two_nodes_requeues_at_time_limit_and_resumes(two
     assert requeues.read_text() == "requeue 4242\n"  # a finished job is not requeued
     ta, tb = model_tensors(two_node_run), model_tensors(run)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-    assert [(r["step"], r["loss"]) for r in metrics(run)] == [(r["step"], r["loss"]) for r in metrics(two_node_run)]
+    assert [(r["step"], r["loss"]) for r in metric_rows(run)] == [(r["step"], r["loss"]) for r in metric_rows(two_node_run)]
 
 
 def test_a_multi_node_launch_sharing_the_agents_store_is_warned_about():

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import main as app
 from config import load_config
+from harness import app_in_process
 from launch.local import CORPUS, TINY, torchrun
 from main import build_trainer
 from parallel.env import init_distributed
@@ -29,8 +29,7 @@ from trainer import lr_at
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
 
 
-def train(run_dir: Path, *extra: str) -> int:
-    return app.main(BASE + [f"trainer.run_dir={run_dir}", *extra])
+train = app_in_process(BASE)
 
 
 def folder_bytes(run_dir: Path) -> dict:

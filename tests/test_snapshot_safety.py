@@ -26,16 +26,15 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import export
-import main as app
 import sample
+from harness import app_in_process
 from launch.local import TINY
 
 ARGS = TINY + ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20", "parallel.strategy=none",
                "trainer.save_every=1"]
 
 
-def train(run_dir: Path, *extra: str) -> int:
-    return app.main(ARGS + [f"trainer.run_dir={run_dir}", *extra])
+train = app_in_process(ARGS)
 
 
 def snap(run: Path, step: int) -> Path:

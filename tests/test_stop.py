@@ -6,7 +6,6 @@ running that command ends bit-identical. A signal during start-up is one line to
 or weight at a step that is not logged is never snapshotted and stops the run with one line."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -21,7 +20,8 @@ import torch
 
 import main as app
 from config import load_config
-from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
+from harness import metric_steps, model_tensors
+from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun, torchrun_argv, worker_pids
 from launch.stopping import torchrun_command
 from parallel.env import init_distributed
 
@@ -32,19 +32,11 @@ STOP = TINY + ["trainer.sample_tokens=0", "parallel.strategy=ddp", "model.n_embd
 STOP_LINE = re.compile(r"^stopped by (SIGTERM|SIGINT) at step (\d+): saved (\S+); to resume: (.+)$", re.M)
 START_LINE = re.compile(r"^stopped by (SIGINT|SIGTERM) during start-up: this launch saved nothing; to relaunch: (.+)$",
                         re.M)
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TORCHRUN = torchrun_argv(2, [])
 
 
 def snapshots(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "snapshots").iterdir())
-
-
-def model_tensors(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)["model"]
-
-
-def metric_steps(run_dir: Path) -> list[int]:
-    return [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def rank_pid(agent_pid: int, rank: int) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness import metric_steps
 from launch.local import CORPUS, REPO, TINY, child_env, torchrun
 
 FAKE_KEY = "fakekey0SECRET0" + "0123456789abcdef" * 2  # 47 characters: never a real key
@@ -97,10 +98,6 @@ def run_main(args: list[str], env: dict) -> subprocess.CompletedProcess:
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
-
-
-def metric_steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_no_secret(run_dir: Path, *outputs: str) -> None:

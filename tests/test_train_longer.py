@@ -13,16 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import main as app
 from config import load_config
+from harness import app_in_process
 from launch.local import TINY
 from trainer import lr_at
 
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=20"]
 
 
-def train(run_dir: Path, *extra: str) -> int:
-    return app.main(BASE + [f"trainer.run_dir={run_dir}", *extra])
+train = app_in_process(BASE)
 
 
 def listing(run_dir: Path) -> dict:
