@@ -22,16 +22,15 @@ vote) is a few hundred bytes per step. Extra arguments are config overrides.
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-STEPS = 5
+import _repo  # noqa: F401  (the repository on sys.path)
 
-from costs.measure import benchmark_main, loopback_tx_bytes  # noqa: E402
+from costs.measure import loopback_tx_bytes
+from launch.local import CORPUS, benchmark_main
+
+STEPS = 5
 
 # name -> (overrides, theory as text, theory(K, n): total bytes over the ranks per step)
 STRATEGIES = {

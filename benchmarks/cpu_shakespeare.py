@@ -38,18 +38,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from _repo import REPO
 
-import torch  # noqa: E402
-
-from config import UsageError, load_config  # noqa: E402
-from launch.build import build_trainer  # noqa: E402
-from launch.errors import reject_dashed_overrides  # noqa: E402
-from observe.perf import measure_cpu_matmul_peak  # noqa: E402
-from parallel.env import init_distributed  # noqa: E402
-
-LOCAL_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+from config import UsageError, load_config
+from launch.build import build_trainer
+from launch.errors import reject_dashed_overrides
+from launch.local import CORPUS
+from observe.perf import measure_cpu_matmul_peak
+from parallel.env import init_distributed
 
 NANOGPT_CPU = [
     "model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64",
@@ -74,7 +71,7 @@ def parse_args(argv=None):
                     help="torch threads (default: all %(default)s cores)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="trainer.compile: torch.compile the model (default: on; --no-compile for eager)")
-    ap.add_argument("--data", default=str(LOCAL_CORPUS) if LOCAL_CORPUS.is_file() else "",
+    ap.add_argument("--data", default=str(CORPUS) if CORPUS.is_file() else "",
                     help="corpus path (default: ../shared/data/tinyshakespeare.txt, else the URL)")
     ap.add_argument("--run-dir", default=str(REPO / "runs" / "bench_cpu_shakespeare"),
                     help="scratch run folder (deleted first)")

@@ -1,6 +1,6 @@
 """Elastic membership, measured: a job on two nodes loses one and goes on alone.
 
-Two torchrun agents on this machine act as two nodes (tests/multinode.py; `--nnodes=1:2`,
+Two torchrun agents on this machine act as two nodes (launch/multinode.py; `--nnodes=1:2`,
 c10d rendezvous, one process per node, fsdp). Once training reached step --lose-at, node B is
 SIGKILLed whole (agent and worker: the node is gone). Node A's worker fails on the broken
 connection, A's agent re-forms the group without B (world size 1), and the worker resumes from
@@ -25,15 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from _repo import REPO
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from harness import TINY, python  # noqa: E402
-from multinode import snapshot_steps, two_nodes, wait_all, wait_for  # noqa: E402
+from launch.local import TINY, python
+from launch.multinode import snapshot_steps, two_nodes, wait_all, wait_for
 
 
 def losses(run_dir: Path) -> dict[int, float]:

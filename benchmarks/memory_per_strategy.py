@@ -12,15 +12,12 @@ ZeroRedundancyOptimizer (DDP + whole-tensor partitioning), which the zero strate
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+import _repo  # noqa: F401  (the repository on sys.path)
 
-from costs.measure import benchmark_main  # noqa: E402
+from launch.local import CORPUS, benchmark_main
 
 # name -> (overrides, what is sharded, formula as text, formula(a, n) in bytes)
 STRATEGIES = {

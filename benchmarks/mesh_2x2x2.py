@@ -3,9 +3,10 @@ HSDP x tp (2 replicas x 2 shards x tp 2) in the same launch.
 
 Trains the tests' TINY model for 10 steps with FSDP2 over dp, Megatron TP over tp and a 1F1B
 pipeline over pp (tied embedding/head: first and last stage sum its gradient), in ONE 8-process
-launch, and checks parity with a single process exactly as tests/test_tp_pp.py does: first-step
-gradients <= 1e-6 abs, loss <= 1e-4 and gradient norm <= 1e-5 relative at each step, parameters
-after the first and the last step <= 1e-5 abs, validation loss after the last step.
+launch (this script, relaunched under torchrun), and checks parity with a single process exactly
+as tests/test_tp_pp.py does (costs/parity.py): first-step gradients <= 1e-6 abs, loss <= 1e-4 and
+gradient norm <= 1e-5 relative at each step, parameters after the first and the last step <= 1e-5
+abs, validation loss after the last step.
 Optionally also the whole app (main.py) on the same mesh. tests/test_mesh_2x2x2.py runs it with
 --app in CI (about a minute on 2 cores, mostly the start-up of 8 processes):
 
@@ -22,13 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+import _repo  # noqa: F401  (the repository on sys.path)
 
-from harness import TINY, torchrun  # noqa: E402
-from parity import assert_parity, load_case, parity_errors  # noqa: E402
-from tp_pp_worker import run_case  # noqa: E402
+from costs.parity import assert_parity, load_case, parity_errors, run_steps, save_cases
+from launch.local import TINY, torchrun
 
 STEPS = 10
 MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=1f1b"
@@ -36,18 +34,37 @@ MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=
 HSDP_TP = "parallel.strategy=fsdp parallel.dp_replicate=2 parallel.tp=2"
 
 
+def worker(out: Path, app: bool) -> None:
+    """One rank of the 8-process launch: both parity cases (costs.parity.run_steps; rank 0 saves
+    OUT/NAME.pt) and, with `app`, main.py on the mesh (rank 0 writes OUT/app_exit_codes.json),
+    all in one process group."""
+    import torch.distributed as dist
+
+    import main as app
+
+    save_cases([("mesh", MESH), ("hsdp_tp", HSDP_TP)], STEPS, out, evaluate=True)
+    if app:
+        code = app.main(TINY + MESH.split() + ["trainer.max_steps=10", f"trainer.run_dir={out / 'app'}"],
+                         keep_process_group=True)
+        if dist.get_rank() == 0:
+            (out / "app_exit_codes.json").write_text(json.dumps([code]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--app", action="store_true", help="also run main.py on the 2x2x2 mesh")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        worker(args.out, args.app)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        ref = run_case(["parallel.strategy=none"], STEPS, out / "ref")
-        cmd = ["tests/tp_pp_worker.py", "--out", str(out), "--steps", str(STEPS), "--case", "mesh", MESH,
-               "--case", "hsdp_tp", HSDP_TP]
-        if args.app:
-            cmd += ["--app", " ".join(TINY + MESH.split() + ["trainer.max_steps=10",
-                                                              f"trainer.run_dir={out / 'app'}"])]
+        ref = run_steps(["parallel.strategy=none"], STEPS, out / "ref", evaluate=True)
+        cmd = [str(Path(__file__).resolve()), "--worker", "--out", str(out), *(["--app"] if args.app else [])]
         t0 = time.perf_counter()
         r = torchrun(8, cmd, timeout=300)
         wall = time.perf_counter() - t0

@@ -27,11 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+import _repo  # noqa: F401  (the repository on sys.path)
 
-from costs.measure import StageClock, add_timer  # noqa: E402
+from costs.measure import StageClock, add_timer
+from launch.local import CORPUS, torchrun
 
 # (label, overrides): stages per rank v is read back from the config
 SCHEDULES = [
@@ -56,9 +55,9 @@ def measure(overrides: list[str], steps: int, warmup: int, run_dir: Path) -> dic
     """Collective: (mean bubble over ranks and timed steps, median step ms) for one layout."""
     import torch
     import torch.distributed as dist
-    from launch.build import build_trainer
 
     from config import load_config
+    from launch.build import build_trainer
     from parallel.env import init_distributed
 
     cfg = load_config(None, overrides + [f"trainer.run_dir={run_dir}"])
@@ -86,7 +85,6 @@ def measure(overrides: list[str], steps: int, warmup: int, run_dir: Path) -> dic
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from harness import CORPUS
     results = []
     for label, sched in SCHEDULES:
         for m in args.microbatches:
@@ -127,13 +125,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    from harness import torchrun  # takes the machine-wide multi-process lock
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bubble.json"
         cmd = [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--pp", str(args.pp),
                "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--microbatches", *map(str, args.microbatches)]
-        r = torchrun(args.pp, cmd, timeout=300)
+        r = torchrun(args.pp, cmd, timeout=300)  # holds the machine-wide multi-process lock
         if r.returncode != 0:
             sys.exit(f"benchmark failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         results = json.loads(out.read_text())

@@ -30,28 +30,24 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import _repo  # noqa: F401  (the repository on sys.path)
+import matplotlib
+import matplotlib.pyplot as plt
 
-import matplotlib  # noqa: E402
+from config import UsageError, load_config
+from costs import planner
+from costs.measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes
+from launch.errors import reject_dashed_overrides
+from launch.local import CORPUS, torchrun_until
 
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+matplotlib.use("Agg")  # files only, no display (pyplot switches to it: no figure exists yet)
 
-from config import UsageError, load_config  # noqa: E402
-from costs import planner  # noqa: E402
-from costs.measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes  # noqa: E402
-from launch.errors import reject_dashed_overrides  # noqa: E402
-
-CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-LOCK = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
 # small enough for 4 processes on 2 cores, 8 blocks so that pp=4 can hold 2 stages per rank
 MODEL = [f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=8", "model.n_head=4", "model.n_embd=64",
          "model.block_size=32", "model.dropout=0.0", "trainer.batch_size=16", "trainer.micro_batch_size=0",
@@ -469,15 +465,12 @@ def main() -> None:
         ap.exit(2, f"error: no layout fits {args.nproc} processes: {sorted(set(refused.values()))[:3]}\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MINGPT_PG_TIMEOUT="60")
-    env.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "data" / "tiktoken"))
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "measured.json"
-        cmd = ["flock", LOCK, "timeout", "900", sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", __file__, "--json", str(raw), "--steps", str(args.steps)]
+        cmd = [__file__, "--json", str(raw), "--steps", str(args.steps)]
         for name, overrides in cases.items():
             cmd += ["--case", name, " ".join(overrides.split() + args.overrides)]
-        r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+        r = torchrun_until(args.nproc, cmd, timeout_s=900, capture=True)
         if r.returncode != 0:
             sys.exit(f"error: the measuring launch failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
         measured = json.loads(raw.read_text())

@@ -16,21 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _repo import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import prepare  # noqa: E402
-from char_dataset import Batching, TokenDataset  # noqa: E402
-from corpus.token_files import max_token, open_token_corpus, probe  # noqa: E402
-from storage.files import sha256_file  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
+import prepare
+from char_dataset import Batching, TokenDataset
+from corpus.token_files import max_token, open_token_corpus, probe
+from storage.files import sha256_file
 
 
 def timed(fn, *args):

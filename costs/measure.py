@@ -20,23 +20,15 @@ measured per layout), benchmarks/bytes_per_strategy.py and benchmarks/pp_bubble.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from config import UsageError
-from launch.errors import reject_dashed_overrides
 
 
 class SavedBytes:
@@ -199,29 +191,3 @@ class StageClock:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 add_timer(stage, name, self.busy)
         add_timer(pipe.schedule, "_loss_fn", self.busy)
-
-
-def benchmark_main(doc: str, script: str, worker: Callable[[list[str]], None], timeout_s: int) -> None:
-    """The command line of a benchmark that measures under torchrun. As a torchrun worker (RANK is
-    set) it runs `worker(overrides)`; otherwise it parses `[--nproc N] [overrides...]` (bad input:
-    one line, exit 2) and runs `script` under torchrun on this machine (CPU, gloo), holding the
-    machine-wide multi-process lock the tests take (tests/harness.py), so no other launch shares
-    the cores or the loopback interface; exits with torchrun's code."""
-    if "RANK" in os.environ:
-        worker(sys.argv[1:])
-        return
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (processes) to measure (default: 2)")
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layer=8")
-    try:
-        reject_dashed_overrides(sys.argv[1:])
-    except UsageError as e:
-        ap.exit(2, f"error: {e}\n")
-    args = ap.parse_args()
-    repo = Path(__file__).resolve().parent
-    lock = os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    env.setdefault("TIKTOKEN_CACHE_DIR", str(repo.parent / "shared" / "data" / "tiktoken"))  # offline GPT-2 BPE
-    cmd = ["flock", lock, "timeout", str(timeout_s), sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", script, *args.overrides]
-    sys.exit(subprocess.run(cmd, env=env, cwd=repo).returncode)

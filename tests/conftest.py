@@ -1,25 +1,22 @@
-"""pytest set-up: the repository on sys.path, offline tiktoken, one torch thread per process, and
-the suite's device (MINGPT_TEST_DEVICE, tests/harness.py): a session that asks for a device this
-machine lacks fails at once with one line, before any test runs (never a skip)."""
+"""pytest set-up: offline tiktoken, one torch thread per process, and the suite's device
+(MINGPT_TEST_DEVICE, launch/local.py): a session that asks for a device this machine lacks fails
+at once with one line, before any test runs (never a skip). pytest.ini puts the repository and
+tests/ on sys.path."""
 import os
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import CORPUS, TIKTOKEN_DIR, device_env, device_problem  # noqa: E402
+from harness import device_problem
+from launch.local import CORPUS, TIKTOKEN_DIR, device_env
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 # Before CUDA starts in this process (it starts lazily): the tests that train in this process see
-# the same device environment as their torchrun children (harness.child_env).
+# the same device environment as their torchrun children (launch.local.child_env).
 os.environ.update(device_env())
 os.environ["WANDB_MODE"] = "offline"
 os.environ.pop("WANDB_API_KEY", None)
-
-import torch  # noqa: E402
 
 torch.set_num_threads(1)
 

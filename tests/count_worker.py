@@ -12,18 +12,16 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed._functional_collectives as funcol  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-
-from costs.measure import CollectiveCounter, loopback_tx_bytes  # noqa: E402
-from parallel.collectives import reduce_scatter  # noqa: E402
+from costs.measure import CollectiveCounter, loopback_tx_bytes
+from harness import run_worker
+from parallel.collectives import reduce_scatter
 
 ELEMS = 2**18  # 1 MiB of fp32
 
@@ -36,7 +34,7 @@ def wire(fn) -> int:
     return loopback_tx_bytes() - before
 
 
-def main() -> None:
+def body(args) -> None:
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))
@@ -61,16 +59,14 @@ def main() -> None:
                                                                           x[: ELEMS // n].clone()))}
     if rank == 0:
         calls = [asdict(c) | {"group_size": len(c.ranks)} for c in counter.calls]
-        Path(sys.argv[1], "counted.json").write_text(json.dumps({"calls": calls, "lo": bytes_on_lo, "n": n}))
-    dist.barrier()
-    dist.destroy_process_group()
+        (args.out / "counted.json").write_text(json.dumps({"calls": calls, "lo": bytes_on_lo, "n": n}))
+
+
+if __name__ == "__main__":
+    run_worker(body)
     # Leave without interpreter finalization: once in CI a rank aborted there ("terminate called
     # without an active exception", SIGABRT) after this point; gloo's worker threads can still hold
     # work objects of the asynchronous collectives above while Python tears down (the failure
     # pytorch#179291 describes). Everything this worker measures is written by now.
     sys.stdout.flush()
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

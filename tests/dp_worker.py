@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_data_parallel.py: many checks of the data-parallel strategies
 in ONE launch (imports cost 7-9 s per launch), results written by rank 0 under --out.
 
-  --case NAME "OVERRIDES"    K steps of TINY + overrides (harness.run_steps) -> NAME.pt
+  --case NAME "OVERRIDES"    K steps of TINY + overrides (costs.parity.run_steps) -> NAME.pt
   --save NAME "OVERRIDES"    3 steps, then DCP-save strategy.state_dict() -> ckpt-NAME/, and the
                              whole (gathered) state -> ckpt-NAME.expected.pt
   --load CKPT NAME "OVERRIDES"  build a fresh run, load ckpt-CKPT/ (or the absolute path CKPT,
@@ -9,19 +9,15 @@ in ONE launch (imports cost 7-9 s per launch), results written by rank 0 under -
                              strategy.state_dict()/load_state_dict() -> NAME.pt
   --buckets                  ShardBucket reduce-scatter/all-gather on odd sizes -> buckets.pt
 """
-import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-
-from harness import TINY, save_cases  # noqa: E402
-from parallel.dtensor import full_tensor  # noqa: E402
+from costs.parity import build, save_cases
+from harness import run_worker
+from parallel.dtensor import full_tensor
 
 SAVE_STEPS = 3
 GROUP_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "eps", "params")
@@ -43,17 +39,8 @@ def whole_state(strategy, optimizer) -> dict:
     return {"tensors": out, "param_groups": groups}
 
 
-def build(overrides: str, run_dir: Path):
-    from launch.build import build_trainer
-
-    from config import load_config
-    from parallel.env import init_distributed
-    cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}", "trainer.resume=never"] + overrides.split())
-    return build_trainer(cfg, init_distributed(cfg), run_dir)
-
-
 def save(name: str, overrides: str, out: Path) -> None:
-    trainer = build(overrides, out / f"run-save-{name}")
+    trainer = build(["trainer.resume=never", *overrides.split()], out / f"run-save-{name}")
     for _ in range(SAVE_STEPS):
         trainer.train_step()
     state = trainer.strategy.state_dict(trainer.optimizer)
@@ -64,7 +51,7 @@ def save(name: str, overrides: str, out: Path) -> None:
 
 
 def load(ckpt: str, name: str, overrides: str, out: Path) -> None:
-    trainer = build(overrides, out / f"run-load-{name}")
+    trainer = build(["trainer.resume=never", *overrides.split()], out / f"run-load-{name}")
     template = trainer.strategy.state_dict(trainer.optimizer)
     path = Path(ckpt) if Path(ckpt).is_absolute() else out / f"ckpt-{ckpt}"  # another launch's
     dcp.load(template, checkpoint_id=str(path))
@@ -102,28 +89,23 @@ def buckets(out: Path) -> None:
                    out / "buckets.pt")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--case", nargs=2, action="append", default=[], metavar=("NAME", "OVERRIDES"))
+def options(ap) -> None:
     ap.add_argument("--save", nargs=2, action="append", default=[], metavar=("NAME", "OVERRIDES"))
     ap.add_argument("--load", nargs=3, action="append", default=[], metavar=("CKPT", "NAME", "OVERRIDES"))
     ap.add_argument("--buckets", action="store_true")
-    args = ap.parse_args()
-    out = Path(args.out)
-    save_cases(args.case, args.steps, out)
+
+
+def body(args) -> None:
+    save_cases(args.case, args.steps, args.out)
     for name, overrides in args.save:
-        save(name, overrides, out)
+        save(name, overrides, args.out)
         dist.barrier()
     for ckpt, name, overrides in args.load:
-        load(ckpt, name, overrides, out)
+        load(ckpt, name, overrides, args.out)
         dist.barrier()
     if args.buckets:
-        buckets(out)
-    dist.barrier()
-    dist.destroy_process_group()
+        buckets(args.out)
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(body, options)

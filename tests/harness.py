@@ -1,40 +1,33 @@
-"""Shared by the tests: the corpus location, the tiny test config, launching torchrun, and
-running K training steps of one configuration (in this process or under torchrun).
+"""What the tests share beyond launch/local.py (launching local processes under torchrun with the
+machine-wide lock, the tiny config, the device switch; shared with benchmarks/) and costs/parity.py
+(K steps of a layout against one process):
 
-The device of the whole suite is one switch, the environment variable MINGPT_TEST_DEVICE: `cpu`
-(the default, what CI runs: gloo between ranks) or `cuda` (the same tests on GPUs, NCCL between
-ranks, one GPU per rank). tests/conftest.py refuses a cuda session on a machine with fewer than
-SUITE_GPUS GPUs, and `torchrun()` refuses a launch with more ranks than GPUs.
-
-Multi-process launches take a machine-wide file lock, so two of them never share the 2 cores
-(pytest-xdist workers or several checkouts included), and always run with a short process-group
-timeout and a wall-clock timeout so a dead peer fails the test instead of hanging it.
+- the suite's device check: a cuda session needs SUITE_GPUS GPUs (tests/conftest.py refuses one
+  with fewer before any test runs);
+- training in this process through main.main (`app_in_process`);
+- reading what a run folder holds: metrics rows, logged steps, model.pt's tensors;
+- the skeleton of every torchrun worker script (tests/*_worker.py): `run_worker`.
 """
 from __future__ import annotations
 
-import fcntl
+import argparse
+import json
 import os
-import subprocess
-import sys
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-CORPUS = SHARED / "data" / "tinyshakespeare.txt"
-TIKTOKEN_DIR = SHARED / "data" / "tiktoken"
-LOCK = Path(os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock"))
+from launch.local import DEVICE, DEVICE_ENV
 
-DEVICE_ENV = "MINGPT_TEST_DEVICE"
-TEST_DEVICE = os.environ.get(DEVICE_ENV, "cpu")
 # The widest launches of the suite have 8 ranks (test_default_config, the 2x2x2 mesh of
 # test_mesh_2x2x2); NCCL refuses two ranks on one GPU, so a cuda session needs 8 GPUs.
 SUITE_GPUS = 8
+# How main.py's start-up line names global rank 0's device ("| device cpu").
+SHOWN_DEVICE = "cuda:0" if DEVICE == "cuda" else "cpu"
 
 
-def device_problem(device: str = TEST_DEVICE) -> str | None:
+def device_problem(device: str = DEVICE) -> str | None:
     """Why the suite cannot run on `device` (MINGPT_TEST_DEVICE) here; None when it can."""
     if device not in ("cpu", "cuda"):
         return f"{DEVICE_ENV}={device} is not one of cpu, cuda"
@@ -46,145 +39,81 @@ def device_problem(device: str = TEST_DEVICE) -> str | None:
     return None
 
 
-def device_overrides(device: str = TEST_DEVICE) -> list[str]:
-    """Config overrides of every test run on `device`. On cpu none: trainer.device stays `auto`,
-    which finds no GPU (device_env hides them), so a cpu session is CI's run on any machine."""
-    return [f"trainer.device={device}"] if device == "cuda" else []
+# ----------------------------------------------------------------------------- runs in this process
 
 
-def device_env(device: str = TEST_DEVICE) -> dict[str, str]:
-    """Environment of every process of the suite on `device`.
+def app_in_process(base: list[str]) -> Callable[..., int]:
+    """`train(run_dir, *overrides)`: main.main(base + trainer.run_dir + overrides) in this process,
+    what `python main.py ...` runs; returns its exit code."""
+    def train(run_dir: Path, *extra: str) -> int:
+        import main
 
-    cuda: NVIDIA_TF32_OVERRIDE=0, NVIDIA's switch that keeps cuBLAS and cuDNN from running fp32
-    matmuls as TF32, which the app honours too (perf.set_fp32_matmul_mode then leaves torch's TF32
-    flags off): the parity tests compare fp32 runs to 1e-5, and TF32 rounds matmul inputs to ~5e-4.
-    cpu: no visible GPU, so that trainer.device `auto` (every test's on cpu) picks the CPU on a
-    GPU machine too."""
-    return {"NVIDIA_TF32_OVERRIDE": "0"} if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
-
-
-# A model small enough that a step takes milliseconds, big enough to have every kind of layer:
-# 4 blocks (pp=2 x 2 stages per rank), 4 heads (tp=2 or 4), micro-batches (accumulation 2 at dp=2).
-TINY = [
-    f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=4", "model.n_head=4",
-    "model.n_embd=32", "model.block_size=16", "trainer.batch_size=8", "trainer.micro_batch_size=2",
-    "trainer.eval_every=5", "trainer.eval_batches=2", "trainer.log_every=5", "trainer.save_every=0",
-    "trainer.sample_tokens=20", "optimizer.warmup_steps=2", "wandb.enabled=false",
-    *device_overrides(),
-]
-# How main.py's start-up line names global rank 0's device ("| device cpu").
-SHOWN_DEVICE = "cuda:0" if TEST_DEVICE == "cuda" else "cpu"
+        return main.main([*base, f"trainer.run_dir={run_dir}", *extra])
+    return train
 
 
-def child_env(**extra) -> dict:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MINGPT_PG_TIMEOUT="60", PYTHONUNBUFFERED="1",
-               TIKTOKEN_CACHE_DIR=str(TIKTOKEN_DIR), WANDB_MODE="offline", WANDB_SILENT="true",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    env.pop("WANDB_API_KEY", None)
-    env.update(device_env())
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+def metric_rows(run_dir: Path) -> list[dict]:
+    """The rows of `run_dir`/metrics.jsonl, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@contextmanager
-def multiprocess_lock():
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def metric_steps(run_dir: Path) -> list[int]:
+    """The step of every row of `run_dir`/metrics.jsonl, in order."""
+    return [row["step"] for row in metric_rows(run_dir)]
 
 
-def torchrun(nproc: int, script_and_args: list[str], timeout: float = 300, cwd: Path = REPO,
-             extra_torchrun: list[str] = (), **env) -> subprocess.CompletedProcess:
-    if TEST_DEVICE == "cuda" and nproc > torch.cuda.device_count():
-        raise RuntimeError(f"this launch has {nproc} ranks and NCCL needs one GPU per rank, but torch sees "
-                           f"{torch.cuda.device_count()} GPUs: run it on a machine with {nproc} or more "
-                           f"(the whole suite: {SUITE_GPUS})")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *extra_torchrun, *script_and_args]
-    with multiprocess_lock():
-        return subprocess.run(cmd, cwd=cwd, env=child_env(**env), capture_output=True, text=True,
-                              timeout=timeout)
+def model_tensors(run_dir: Path) -> dict:
+    """The model's tensors in `run_dir`/model.pt, by name."""
+    return torch.load(run_dir / "model.pt", weights_only=True)["model"]
 
 
-def python(args: list[str], timeout: float = 300, cwd: Path = REPO, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=child_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+# ----------------------------------------------------------------------------- torchrun workers
 
 
-def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: int = 1,
-              evaluate: bool = False) -> dict:
-    """Train `steps` steps of TINY + overrides in this process's launch (single process or one
-    rank of torchrun). Returns losses (dp-mean, every step), the pre-clip gradient norm of every
-    step (what metrics.jsonl logs as grad_norm), first-step gradients (whole, by name), the
-    whole parameters after the last step (on rank 0; None on other ranks), each rank's resident
-    bytes after the backward of step `memory_at_step`, and with `evaluate` the validation loss
-    after the last step (Trainer.evaluate)."""
+def run_worker(body: Callable[[argparse.Namespace], None],
+               options: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    """The skeleton of every tests/*_worker.py, run under torchrun (PYTHONPATH from
+    launch.local.child_env makes the repository importable): parse the common arguments and the
+    worker's own (`options(parser)`), run `body(args)`, then end the process group.
+
+    Common arguments: --out FOLDER (rank 0 writes its results there), --steps K (default 10),
+    --case NAME "OVERRIDES" and --app "OVERRIDES" (both repeatable; `args.case` is a list of
+    (name, overrides) pairs, `args.app` a list of override strings).
+
+    The error file: TORCHELASTIC_ERROR_FILE is dropped before the body. A worker runs several cases
+    or app runs in one launch, and a refused app run (main.main writes its one line to that file,
+    ranks > 0 after waiting for rank 0 to write first) is followed by the next run, not by the
+    worker's exit. A failure of the worker itself still ends the launch, with its traceback on
+    stderr."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, type=Path, help="folder of rank 0's results")
+    ap.add_argument("--steps", type=int, default=10, help="training steps of each --case")
+    ap.add_argument("--case", nargs=2, action="append", default=[], metavar=("NAME", "OVERRIDES"))
+    ap.add_argument("--app", action="append", default=[], help="space-separated main.py overrides")
+    if options is not None:
+        options(ap)
+    args = ap.parse_args()
+    os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
+    body(args)
     import torch.distributed as dist
 
-    from config import load_config
-    from launch.build import build_trainer
-    from parallel.env import init_distributed
-
-    cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}"] + list(overrides))
-    env = init_distributed(cfg)
-    trainer = build_trainer(cfg, env, run_dir)
-    s = trainer.strategy
-    losses, norms, grads, memory, first_params = [], [], None, None, None
-    for step in range(steps):
-        loss = trainer.forward_backward()
-        if step == 0:
-            grads = s.full_grad_dict()
-        if step == memory_at_step:
-            mine = s.resident_bytes(trainer.optimizer)
-            memory = [mine]
-            if env.distributed:
-                memory = [None] * env.world_size
-                dist.all_gather_object(memory, mine)
-        norms.append(float(trainer.optimizer_step()))
-        losses.append(float(s.reduce_mean(loss)))
-        if step == 0:
-            first_params = _floats(s.full_model_state_dict())  # collective
-    result = {"losses": losses, "grad_norms": norms, "grads": grads, "memory": memory,
-              "first_params": first_params, "params": _floats(s.full_model_state_dict()),
-              "world": env.world_size, "num_params": trainer.model_cost.num_params, "dp": s.dp_size}
-    if evaluate:
-        result["val_loss"] = trainer.evaluate()
-    return result
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-def _floats(state: dict | None) -> dict | None:
-    """Strategy.full_model_state_dict() (whole tensors on rank 0, None elsewhere) as fp32."""
-    return state and {k: v.float() for k, v in state.items()}
-
-
-def save_cases(cases: list[tuple[str, str]], steps: int, out: Path, **run_kwargs) -> None:
-    """For a torchrun worker: run each (name, "overrides") case with run_steps in this launch's
-    process group and save rank 0's result to OUT/NAME.pt."""
+def run_apps(apps: list[str], codes_file: Path) -> None:
+    """The whole app (main.main, what `torchrun main.py ...` runs) once per "overrides" in this
+    launch, keeping its process group between runs (init_distributed reuses the live group); rank 0
+    writes the exit codes to `codes_file`."""
     import torch.distributed as dist
 
-    for name, overrides in cases:
-        result = run_steps(overrides.split(), steps, out / f"run-{name}", **run_kwargs)
-        if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}.pt")
+    import main
+
+    if not apps:
+        return
+    codes = []
+    for overrides in apps:
+        codes.append(main.main(overrides.split(), keep_process_group=True))  # one group for all runs
         dist.barrier()
-
-
-def worker_pids(parent_pid: int) -> list[int]:
-    """PIDs of the processes whose parent is `parent_pid` (torchrun's agent -> its workers)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        # field 4 is the ppid; the command name (field 2) may contain spaces, so split after ')'
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid:
-            pids.append(int(d.name))
-    return pids
+    if dist.get_rank() == 0:
+        codes_file.write_text(json.dumps(codes))

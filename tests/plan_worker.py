@@ -11,28 +11,18 @@ Rank 0 writes OUT/NAME.json with every rank's figures, pipeline rank and micro-b
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
-
-from costs.measure import SavedBytes  # noqa: E402
-from harness import TINY  # noqa: E402
+from costs.measure import SavedBytes
+from costs.parity import build
+from harness import run_worker
 
 
 def run_case(overrides: list[str], run_dir: Path) -> dict:
-    from launch.build import build_trainer
-
-    from config import load_config
-    from parallel.env import init_distributed
-
-    cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}", "trainer.device=cpu"] + overrides)
-    trainer = build_trainer(cfg, init_distributed(cfg), run_dir)
+    trainer = build(["trainer.device=cpu", *overrides], run_dir)
     s = trainer.strategy
     trainer.forward_backward()  # step 1 (a pipeline also infers its shapes here)
     trainer.optimizer_step()
@@ -49,19 +39,13 @@ def run_case(overrides: list[str], run_dir: Path) -> dict:
     return {"ranks": everyone}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--case", nargs=2, action="append", default=[], metavar=("NAME", "OVERRIDES"))
-    args = ap.parse_args()
-    out = Path(args.out)
+def body(args) -> None:
     for name, overrides in args.case:
-        result = run_case(overrides.split(), out / f"run-{name}")
+        result = run_case(overrides.split(), args.out / f"run-{name}")
         if dist.get_rank() == 0:
-            (out / f"{name}.json").write_text(json.dumps(result))
+            (args.out / f"{name}.json").write_text(json.dumps(result))
         dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(body)

@@ -7,21 +7,14 @@ After each resumed segment every rank gathers the tp peers' copies of each repli
 difference per parameter to OUT/tp_replicas.json."""
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
-import torch.distributed as dist  # noqa: E402
-from launch.build import build_trainer  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
-
-from config import load_config  # noqa: E402
-from harness import TINY  # noqa: E402
-from parallel.env import init_distributed  # noqa: E402
+from costs.parity import build
+from harness import run_worker
+from launch.local import TINY
 
 COMMON = TINY + ["model.dropout=0.1", "optimizer.lr_decay_steps=20", "trainer.sample_tokens=0",
           "trainer.eval_every=1000", "trainer.eval_batches=1"]
@@ -47,25 +40,19 @@ def replicated_diffs(trainer) -> dict[str, float]:
             for k, v in everyone[0].items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    out = Path(ap.parse_args().out)
-    run_dir = out / "run"
+def body(args) -> None:
+    run_dir = args.out / "run"
     report = {}
     for name, overrides in PHASES:
-        cfg = load_config(None, COMMON + [f"trainer.run_dir={run_dir}", *overrides])
-        trainer = build_trainer(cfg, init_distributed(cfg), run_dir)
+        trainer = build(overrides, run_dir, base=COMMON)
         meta = trainer.resume()
         assert (meta is not None) == (name != "dp2"), name
         trainer.train()
-        if cfg.parallel.tp > 1:
+        if trainer.cfg.parallel.tp > 1:
             report[name] = replicated_diffs(trainer)
     if dist.get_rank() == 0:
-        (out / "tp_replicas.json").write_text(json.dumps(report, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+        (args.out / "tp_replicas.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(body)

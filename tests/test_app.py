@@ -1,4 +1,4 @@
-"""The application end to end (issue 2, parts 3, 4 and 6): `python main.py` trains and writes
+"""The application end to end: `python main.py` trains and writes
 config.yaml, metrics.jsonl, snapshots, model.pt and sample.txt; sample.py and export.py read
 them; the LR schedule, max_epochs, fp16/bf16 steps, and a bit-exact resume with dropout on.
 
@@ -20,7 +20,7 @@ import export
 import main as app
 import sample
 from config import load_config
-from harness import CORPUS, TINY, python
+from launch.local import CORPUS, TINY, python
 from parallel.env import init_distributed
 from trainer import lr_at, total_steps
 

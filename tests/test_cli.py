@@ -1,4 +1,4 @@
-"""The scripts' command lines (issue 13): every --help is whole, and plot.py draws the metrics of
+"""The scripts' command lines: every --help is whole, and plot.py draws the metrics of
 real runs into a PNG (bad input: one line, exit 2). The dotted-override hint and the GPU preset
 refusal are bad-input cases of tests/test_config.py."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 
 import main as app
 import plot
-from harness import REPO, TINY
+from launch.local import REPO, TINY
 
-SCRIPTS = ["main.py", "sample.py", "export.py", "plot.py", *sorted(
-    str(p.relative_to(REPO)) for p in (REPO / "benchmarks").glob("*.py"))]
+SCRIPTS = ["main.py", "sample.py", "export.py", "plot.py", *sorted(  # benchmarks/_repo.py is imported, not run
+    str(p.relative_to(REPO)) for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))]
 
 
 def squeeze(text: str) -> str:

@@ -1,4 +1,4 @@
-"""config.py + main.py's error path (issue 2, parts 4-5 and "Bad input"): the YAML equals the
+"""config.py + main.py's error path: the YAML equals the
 dataclass defaults and comments every key, dotted overrides are typed, and every bad input is
 one line on stderr, exit code 2, no traceback, with an existing snapshot left as it was.
 
@@ -18,7 +18,7 @@ import yaml
 
 import main as app
 from config import Config, load_config
-from harness import REPO, TINY, python
+from launch.local import REPO, TINY, python
 from observe.redact import redact_url
 
 YAML_PATH = REPO / "gpt2_train_cfg.yaml"
@@ -90,7 +90,7 @@ def existing_run(tmp_path_factory):
 
 # (overrides, words the one-line message must contain). "{root}" is the fixture's folder.
 BAD_INPUTS = {
-    # the issue's list
+    # a data file that cannot be read as a corpus
     "missing data file": (["data.path={root}/nope.txt"], "does not exist"),
     "data path is a folder": (["data.path={root}"], "is a folder"),
     "empty data file": (["data.path={root}/empty.txt"], "is empty"),

@@ -1,9 +1,10 @@
 """Ready for the first GPU, checked on this CPU machine: the suite's device switch
-(MINGPT_TEST_DEVICE, tests/harness.py) and the CUDA-only branches that can be exercised without a
-GPU (nn.DataParallel's replica threads, the GPU peak table, the TF32 switch)."""
+(MINGPT_TEST_DEVICE: launch/local.py, tests/harness.py) and the CUDA-only branches that can be
+exercised without a GPU (nn.DataParallel's replica threads, the GPU peak table, the TF32 switch)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 
@@ -15,7 +16,8 @@ import torch.nn as nn
 import harness
 import parallel.env
 from config import load_config
-from harness import REPO, TINY, child_env
+from launch import local
+from launch.local import REPO, TINY, child_env
 from model import GPT, GPTConfig
 from observe import perf
 from parallel.dp import DataParallelStrategy
@@ -27,9 +29,9 @@ def test_cuda_switch_fails_the_session_with_one_line_on_a_machine_without_gpus()
     """The real suite's collection, asked to run on CUDA here: it must fail before any test runs,
     with one line naming the fix; never run on CPU instead, never skip."""
     env = child_env(MINGPT_TEST_DEVICE="cuda", CUDA_VISIBLE_DEVICES="")  # no GPU, in a cuda session too
-    r = harness.subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                "tests/test_config.py", "tests/test_cuda.py"],
-                               cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_config.py", "tests/test_cuda.py"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 4, (r.returncode, r.stdout, r.stderr)  # pytest's usage error
     assert r.stderr.strip().splitlines() == [
         f"ERROR: MINGPT_TEST_DEVICE=cuda runs the suite on 8 GPUs (one per rank of its 8-rank launches, NCCL) "
@@ -41,17 +43,17 @@ def test_cuda_switch_fails_the_session_with_one_line_on_a_machine_without_gpus()
 def test_the_switch_puts_every_run_and_process_on_the_device(monkeypatch):
     assert harness.device_problem("cpu") is None
     assert "MINGPT_TEST_DEVICE=gpu is not one of cpu, cuda" == harness.device_problem("gpu")
-    assert harness.device_overrides("cuda") == ["trainer.device=cuda"] and harness.device_overrides("cpu") == []
-    assert harness.device_env("cuda") == {"NVIDIA_TF32_OVERRIDE": "0"}  # exact fp32 parity
-    assert harness.device_env("cpu") == {"CUDA_VISIBLE_DEVICES": ""}  # `auto` tests stay on the CPU
+    assert local.device_overrides("cuda") == ["trainer.device=cuda"] and local.device_overrides("cpu") == []
+    assert local.device_env("cuda") == {"NVIDIA_TF32_OVERRIDE": "0"}  # exact fp32 parity
+    assert local.device_env("cpu") == {"CUDA_VISIBLE_DEVICES": ""}  # `auto` tests stay on the CPU
     # this session: TINY, this process and every child follow its switch
-    assert all(child_env()[k] == v and os.environ[k] == v for k, v in harness.device_env().items())
-    assert [a for a in TINY if a.startswith("trainer.device=")] == harness.device_overrides()
+    assert all(child_env()[k] == v and os.environ[k] == v for k, v in local.device_env().items())
+    assert [a for a in TINY if a.startswith("trainer.device=")] == local.device_overrides()
     # a cuda session on 4 GPUs: an 8-rank launch is refused before anything starts
-    monkeypatch.setattr(harness, "TEST_DEVICE", "cuda")
+    monkeypatch.setattr(local, "DEVICE", "cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(RuntimeError, match="8 ranks and NCCL needs one GPU per rank, but torch sees 4 GPUs"):
-        harness.torchrun(8, ["main.py"])
+        local.torchrun(8, ["main.py"])
 
 
 def test_a_rank_binds_the_gpu_of_its_local_rank_and_serves_cpu_tensors_with_gloo(monkeypatch):

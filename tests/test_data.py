@@ -1,4 +1,4 @@
-"""char_dataset.py (issue 2, part 2): tokenizers, the contiguous split, the batch order as a pure
+"""char_dataset.py: tokenizers, the contiguous split, the batch order as a pure
 function of (seed, step) whatever the world size, epochs, truncation, and the corpus download
 (local http.server on 127.0.0.1 only: no test contacts a real host)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from char_dataset import Batching, CharDataset
 from config import DataConfig, UsageError
 from corpus.text import corpus_cache_path, fallback_corpus, load_corpus
 from corpus.tokenizers import CharTokenizer, GPT2Tokenizer
-from harness import TINY, python
+from launch.local import TINY, python
 
 # ----------------------------------------------------------------------------- tokenizers
 

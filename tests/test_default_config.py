@@ -8,7 +8,8 @@ import json
 
 import torch
 
-from harness import CORPUS, SHOWN_DEVICE, torchrun
+from harness import SHOWN_DEVICE
+from launch.local import CORPUS, torchrun
 
 STEPS = 3
 

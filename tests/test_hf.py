@@ -1,4 +1,4 @@
-"""GPT-2 weights in and out (issue 12 part 5, issue 13 "fine-tuning from a finished run"), against
+"""GPT-2 weights in and out, and fine-tuning from a finished run, against
 the real `transformers` library with no download: a small random GPT2LMHeadModel imported with
 model.init_from gives its logits; our runs exported with `export.py --format hf` load in
 transformers with our logits; a fine-tune of the import under fsdp and tp=2 starts from the
@@ -24,8 +24,8 @@ from char_dataset import Batching, CharDataset
 from config import load_config
 from corpus.text import load_corpus
 from corpus.tokenizers import tokenizer_from_dict
-from harness import TINY, torchrun
 from launch.build import build_trainer
+from launch.local import TINY, torchrun
 from parallel.env import init_distributed
 from snapshots.model_file import read_model_file
 

@@ -1,7 +1,7 @@
-"""The full 3-D mesh in CI (issue 4): dp=2 x tp=2 x pp=2 on 8 processes matches one process
+"""The full 3-D mesh in CI: dp=2 x tp=2 x pp=2 on 8 processes matches one process
 (first-step gradients, loss at each of 10 steps, val loss), and main.py trains, evaluates and
 writes model.pt on that mesh. Runs benchmarks/mesh_2x2x2.py, which prints the figures."""
-from harness import python
+from launch.local import python
 
 
 def test_dp2_tp2_pp2_matches_one_process_and_the_app_runs():

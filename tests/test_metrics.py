@@ -1,4 +1,4 @@
-"""The figures of the metrics row (issue 9): what memory is reported and under which name, the
+"""The figures of the metrics row: what memory is reported and under which name, the
 device count and the peak that MFU divides by, and the fp32 matmul mode the GPU peak assumes.
 
 - Memory: on CPU the process's peak RSS (interpreter, libraries, allocator caches included: not
@@ -8,7 +8,7 @@ device count and the peak that MFU divides by, and the fp32 matmul mode the GPU 
 - MFU divides by every device of the layout: under parallel.strategy=dp (nn.DataParallel) one
   process drives all GPUs.
 - bf16 on CPU: the peak is a bf16 matmul, measured the same way as the fp32 one.
-- MFU is never above 1 (issue 13): a CPU peak is cached per machine fingerprint in a JSON file
+- MFU is never above 1: a CPU peak is cached per machine fingerprint in a JSON file
   ($MINGPT_PEAK_CACHE here: a temporary folder); a cached peak that a run exceeds (a stale cache,
   caused by seeding the file with a peak that is too low) is measured again; a trainer.peak_flops
   that a run exceeds is never re-measured but flagged, and MFU is 0 (unknown) from then on; a damaged
@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from config import load_config
-from harness import TINY
 from launch.build import build_trainer
+from launch.local import TINY
 from observe import perf
 from observe.tracker import NullTracker
 from parallel.dp import DataParallelStrategy

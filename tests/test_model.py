@@ -1,4 +1,4 @@
-"""model.py (issue 2, part 1): causality, loss at init, weight tying, GPT-2 init, generate(),
+"""model.py: causality, loss at init, weight tying, GPT-2 init, generate(),
 and the FLOPs-per-token formula that MFU is computed from. All in-process, tiny models."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Past one machine (issue 12): two torchrun agents on this machine act as two nodes of one job
-(tests/multinode.py), and scripts/slurm/train.sbatch runs under stand-in srun/scontrol commands.
+"""Past one machine: two torchrun agents on this machine act as two nodes of one job
+(launch/multinode.py), and scripts/slurm/train.sbatch runs under stand-in srun/scontrol commands.
 
 - fsdp across the two "nodes" equals one process (losses and gradient norms at every step,
-  parameters after step 10: tests/parity.py's tolerances);
+  parameters after step 10: costs/parity.py's tolerances);
 - a worker SIGKILLed on one node under --max-restarts: both agents restart their workers, and the
   job ends bit-identical to the uninterrupted one;
 - elastic membership (--nnodes=1:2): one whole node is SIGKILLed after a snapshot; the other
@@ -17,7 +17,6 @@ all of it; every process left is SIGKILLed in `finally`.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -30,9 +29,18 @@ import pytest
 import torch
 
 import main as app
-from harness import REPO, TINY, child_env, multiprocess_lock, worker_pids
-from multinode import LAUNCH_TIMEOUT_S, free_port, kill_tree, lose_node_after_snapshot, two_nodes, wait_all, wait_for
-from parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
+from costs.parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
+from harness import metric_rows, model_tensors
+from launch.local import REPO, TINY, child_env, multiprocess_lock, worker_pids
+from launch.multinode import (
+    LAUNCH_TIMEOUT_S,
+    free_port,
+    kill_tree,
+    lose_node_after_snapshot,
+    two_nodes,
+    wait_all,
+    wait_for,
+)
 from snapshots.consolidate import consolidate
 
 STEPS = 60
@@ -41,14 +49,6 @@ STEPS = 60
 NODES = TINY + ["trainer.sample_tokens=0", "parallel.strategy=fsdp", "model.n_embd=64",
                 f"trainer.max_steps={STEPS}", "trainer.save_every=10", "trainer.keep_snapshots=10",
                 "trainer.log_every=1", "trainer.eval_every=30"]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def model_tensors(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def two_node_run(tmp_path_factory):
 
 
 def test_fsdp_across_two_nodes_matches_one_process(one_process, two_node_run):
-    ref, got = metrics(one_process), metrics(two_node_run)
+    ref, got = metric_rows(one_process), metric_rows(two_node_run)
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
@@ -103,7 +103,7 @@ def test_worker_killed_on_one_node_restarts_both_and_ends_bit_identical(two_node
     assert [w for w, _ in resumed] == ["2"] and int(resumed[0][1]) >= 10, out[-6000:]
     ta, tb = model_tensors(two_node_run), model_tensors(run)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-    assert [(r["step"], r["loss"]) for r in metrics(run)] == [(r["step"], r["loss"]) for r in metrics(two_node_run)]
+    assert [(r["step"], r["loss"]) for r in metric_rows(run)] == [(r["step"], r["loss"]) for r in metric_rows(two_node_run)]
 
 
 def test_node_lost_the_other_reforms_alone_and_continues_the_curve(one_process, tmp_path):
@@ -123,7 +123,7 @@ def test_node_lost_the_other_reforms_alone_and_continues_the_curve(one_process, 
     # LOSS_RTOL (1e-4) is the bound of tests/test_reshard.py for a run resumed in another layout;
     # measured here 1.4e-7 (summation order), while the losses of neighbouring steps differ by a
     # median 2% (1.7e-4 at the closest), so a data order off by one step fails at almost every step.
-    ref, got = metrics(one_process), metrics(run)
+    ref, got = metric_rows(one_process), metric_rows(run)
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
@@ -217,7 +217,7 @@ def test_slurm_script_trains_on_two_nodes_requeues_at_time_limit_and_resumes(two
     assert requeues.read_text() == "requeue 4242\n"  # a finished job is not requeued
     ta, tb = model_tensors(two_node_run), model_tensors(run)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-    assert [(r["step"], r["loss"]) for r in metrics(run)] == [(r["step"], r["loss"]) for r in metrics(two_node_run)]
+    assert [(r["step"], r["loss"]) for r in metric_rows(run)] == [(r["step"], r["loss"]) for r in metric_rows(two_node_run)]
 
 
 def test_a_multi_node_launch_sharing_the_agents_store_is_warned_about():

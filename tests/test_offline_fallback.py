@@ -1,4 +1,4 @@
-"""The offline fallback corpus trains into its own default run folder (issue 13, item 7).
+"""The offline fallback corpus trains into its own default run folder.
 
 With data.path an unreachable URL that is not cached, the run trains on the Python standard
 library's text. With trainer.run_dir left at its default, that run goes to runs/python_stdlib
@@ -10,7 +10,8 @@ from __future__ import annotations
 import main as app
 import sample
 from config import TrainerConfig
-from harness import CORPUS, TINY
+from harness import CORPUS
+from launch.local import TINY
 from test_data import closed_port
 
 

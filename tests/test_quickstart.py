@@ -14,7 +14,7 @@ import sys
 
 from config import DataConfig
 from corpus.text import corpus_cache_path
-from harness import CORPUS, REPO, child_env, multiprocess_lock
+from launch.local import CORPUS, REPO, TORCHRUN, child_env, multiprocess_lock
 
 SHORT = ["trainer.max_steps=3", "trainer.eval_batches=2"]
 
@@ -43,7 +43,7 @@ def test_quickstart_commands_work_in_order(tmp_path):
     for command in commands[2:]:
         argv = shlex.split(command)
         if argv[0] == "torchrun":
-            argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:], *SHORT]
+            argv = [*TORCHRUN, *argv[1:], *SHORT]
         elif argv[0] == "python":
             argv = [sys.executable, *argv[1:], *(SHORT if argv[1] == "main.py" else [])]
         else:

@@ -1,4 +1,4 @@
-"""Resume on another world size and another strategy (issue 5): one run folder is trained in
+"""Resume on another world size and another strategy: one run folder is trained in
 segments, each launch resuming the previous launch's snapshot with a different layout:
 
     ddp x2 -> ddp x1 -> hsdp 2x2 (x4) -> fsdp x2 (strategy switch) -> fsdp x4 -> zero-3 x4
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import main as app
-from harness import TINY, python, torchrun
+from launch.local import TINY, python, torchrun
 
 STEPS = 2  # per segment
 COMMON = TINY + ["trainer.log_every=1", "trainer.eval_every=1000", "trainer.sample_tokens=0",

@@ -1,4 +1,4 @@
-"""A resume must not silently change the run (issue 9, item 6).
+"""A resume must not silently change the run.
 
 - A resume whose data stream differs from the snapshot's (corpus content, data.truncate,
   data.val_fraction, trainer.seed, trainer.batch_size, model.block_size) is refused with one line
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch.build import build_trainer
 
-import main as app
 from config import load_config
-from harness import CORPUS, TINY, torchrun
+from harness import app_in_process
+from launch.build import build_trainer
+from launch.local import CORPUS, TINY, torchrun
 from parallel.env import init_distributed
 from snapshots.store import SnapshotManager
 from trainer import lr_at
@@ -29,8 +29,7 @@ from trainer import lr_at
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
 
 
-def train(run_dir: Path, *extra: str) -> int:
-    return app.main(BASE + [f"trainer.run_dir={run_dir}", *extra])
+train = app_in_process(BASE)
 
 
 def folder_bytes(run_dir: Path) -> dict:

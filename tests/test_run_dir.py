@@ -1,4 +1,4 @@
-"""The run folder (issue 9, items 5 and 7): one launch per run folder, held by an OS lock that dies
+"""The run folder: one launch per run folder, held by an OS lock that dies
 with its process; a refused launch changes no file of the folder; an impossible or unwritable
 run_dir is one line and exit 2.
 
@@ -25,8 +25,8 @@ import pytest
 # (and can no longer read the Python installation) has them already
 import main as app
 from config import UsageError
-from harness import REPO, TINY, child_env, torchrun
 from launch import runlock
+from launch.local import REPO, TINY, child_env, torchrun
 
 RUN = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "trainer.save_every=2"]
 
@@ -48,7 +48,7 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
-# ----------------------------------------------------------------------------- item 5: the lock
+# ----------------------------------------------------------------------------- the lock
 
 
 def test_second_launch_is_refused_and_the_lock_dies_with_its_process(tmp_path, capsys):
@@ -139,7 +139,7 @@ def test_a_torchrun_restart_waits_for_a_lock_that_outlives_its_holder(tmp_path, 
         holder.wait(timeout=10)
 
 
-# ----------------------------------------------------------------------------- item 7: refusals
+# ----------------------------------------------------------------------------- refusals
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def trained(tmp_path_factory):
     (["trainer.resume=never"], "trainer.resume=never"),
     (["model.n_layer=2"], "different model shape"),
     (["data.tokenizer=gpt2"], "trained with data.tokenizer=char"),
-    # the issue's case: resume=never built a fresh gpt2 tokenizer and wrote it over the char one
+    # resume=never once built a fresh gpt2 tokenizer and wrote it over the char one
     (["trainer.resume=never", "data.tokenizer=gpt2"], "trainer.resume=never"),
 ])
 def test_refused_launch_changes_no_file(trained, overrides, words, capsys):

@@ -1,4 +1,4 @@
-"""Snapshot integrity (issue 9, items 4 and 8), by really damaging and really tampering with the
+"""Snapshot integrity, by really damaging and really tampering with the
 files of a trained run and running the app, export.py and sample.py on it:
 
 - damaged snapshots newer than the resume point (a flipped byte, a truncated data file, no
@@ -26,16 +26,15 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import export
-import main as app
 import sample
-from harness import TINY
+from harness import app_in_process
+from launch.local import TINY
 
 ARGS = TINY + ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20", "parallel.strategy=none",
                "trainer.save_every=1"]
 
 
-def train(run_dir: Path, *extra: str) -> int:
-    return app.main(ARGS + [f"trainer.run_dir={run_dir}", *extra])
+train = app_in_process(ARGS)
 
 
 def snap(run: Path, step: int) -> Path:

@@ -1,13 +1,11 @@
-"""Snapshots (issue 5): bit-exact resume, SIGKILL of a worker under torchrun --max-restarts at
+"""Snapshots: bit-exact resume, SIGKILL of a worker under torchrun --max-restarts at
 random moments and during a snapshot write, damaged snapshots, keep policy, resume rules."""
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,16 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import main as app
-from harness import REPO, TINY, child_env, multiprocess_lock, python, torchrun, worker_pids
+from harness import app_in_process, metric_steps, model_tensors
+from launch.local import REPO, TINY, child_env, multiprocess_lock, python, torchrun, torchrun_argv, worker_pids
 
 # The cosine schedule's length is fixed, so a run cut at step k and resumed with a larger
 # max_steps follows the same LR curve as the uninterrupted one.
 NO_SAMPLE = ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
-
-
-def model_tensors(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)["model"]
 
 
 def assert_bit_identical(a: Path, b: Path) -> None:
@@ -34,12 +28,7 @@ def assert_bit_identical(a: Path, b: Path) -> None:
         assert torch.equal(ta[k], tb[k]), f"{k} differs: max {(ta[k] - tb[k]).abs().max().item():.3e}"
 
 
-def metric_steps(run_dir: Path) -> list[int]:
-    return [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def train(run_dir: Path, *extra: str) -> int:
-    return app.main(TINY + NO_SAMPLE + [f"trainer.run_dir={run_dir}", "parallel.strategy=none", *extra])
+train = app_in_process(TINY + NO_SAMPLE + ["parallel.strategy=none"])
 
 
 def test_resume_is_bit_identical_and_keeps_newest(tmp_path):
@@ -148,9 +137,8 @@ def launch_and_kill(run_dir: Path, kills: int, extra: list[str] = (), env: dict 
     """torchrun --max-restarts with 2 ddp workers; SIGKILL a random worker `kills` times, each at a
     random moment once that attempt is training. Returns (exit code, output)."""
     rnd = random.Random(seed)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "main.py",
-           *ELASTIC, f"trainer.run_dir={run_dir}", *extra]
+    cmd = torchrun_argv(2, ["main.py", *ELASTIC, f"trainer.run_dir={run_dir}", *extra],
+                        [f"--max-restarts={max_restarts}", "--monitor-interval=0.2"])
     lines: list[str] = []
     with multiprocess_lock():
         proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,

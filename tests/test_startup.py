@@ -7,7 +7,8 @@ import re
 
 import main as app
 from config import dump_yaml, load_config
-from harness import SHOWN_DEVICE, TINY, torchrun
+from harness import SHOWN_DEVICE
+from launch.local import TINY, torchrun
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
 

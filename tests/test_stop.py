@@ -1,4 +1,4 @@
-"""Stopping safely (issue 9, items 2 and 3; issue 13, item 8): a Ctrl-C (SIGINT to the whole
+"""Stopping safely: a Ctrl-C (SIGINT to the whole
 process group, as a terminal sends it) or a SIGTERM to one worker stops every rank at one step with
 one snapshot of it, also when a second SIGTERM lands in the middle of that snapshot's write; the job
 prints one closing line naming the snapshot and the command that resumes, and no traceback of ours;
@@ -6,7 +6,6 @@ running that command ends bit-identical. A signal during start-up is one line to
 or weight at a step that is not logged is never snapshotted and stops the run with one line."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -21,8 +20,9 @@ import torch
 
 import main as app
 from config import load_config
-from harness import REPO, TINY, child_env, multiprocess_lock, torchrun, worker_pids
+from harness import metric_steps, model_tensors
 from launch.build import build_trainer
+from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun, torchrun_argv, worker_pids
 from launch.stopping import torchrun_command
 from parallel.env import init_distributed
 
@@ -33,19 +33,11 @@ STOP = TINY + ["trainer.sample_tokens=0", "parallel.strategy=ddp", "model.n_embd
 STOP_LINE = re.compile(r"^stopped by (SIGTERM|SIGINT) at step (\d+): saved (\S+); to resume: (.+)$", re.M)
 START_LINE = re.compile(r"^stopped by (SIGINT|SIGTERM) during start-up: this launch saved nothing; to relaunch: (.+)$",
                         re.M)
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TORCHRUN = torchrun_argv(2, [])
 
 
 def snapshots(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "snapshots").iterdir())
-
-
-def model_tensors(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)["model"]
-
-
-def metric_steps(run_dir: Path) -> list[int]:
-    return [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def rank_pid(agent_pid: int, rank: int) -> int:

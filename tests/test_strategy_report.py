@@ -1,4 +1,4 @@
-"""benchmarks/strategy_report.py and its counters (issue 11, items 3 and 4).
+"""benchmarks/strategy_report.py and its counters measure what the planner predicts.
 
 - measure.CollectiveCounter against collectives of known size, one 2-process launch
   (tests/count_worker.py): each kind counted once with its exact payload (the c10d ops, the
@@ -18,13 +18,13 @@ import json
 import pytest
 
 from costs.measure import ring_moved
-from harness import TINY, python, torchrun
+from launch.local import TINY, python, torchrun
 
 K = 4 * 2**18
 
 
 def test_counter_against_collectives_of_known_size(tmp_path):
-    r = torchrun(2, ["tests/count_worker.py", str(tmp_path)], timeout=120)
+    r = torchrun(2, ["tests/count_worker.py", "--out", str(tmp_path)], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads((tmp_path / "counted.json").read_text())
     calls = [(c["kind"], c["op"], c["group_size"], c["payload"]) for c in got["calls"]]

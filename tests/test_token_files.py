@@ -1,4 +1,4 @@
-"""Corpora that do not fit in memory (issue 12, part 4): prepare.py's multi-process streaming
+"""Corpora that do not fit in memory: prepare.py's multi-process streaming
 tokenizer and its folder format, nanoGPT's train.bin/val.bin, batches read through numpy.memmap
 that equal the in-memory ones at every dp size, resident memory on a 1 GB token file, the corpus
 identity a resume compares, and every damaged token corpus refused with one line, exit 2, the
@@ -19,7 +19,7 @@ import prepare
 from char_dataset import Batching, TokenDataset
 from corpus.token_files import GPT2_VOCAB, SIDECAR, TokenFiles, open_token_corpus, probe
 from corpus.tokenizers import CharTokenizer, GPT2Tokenizer
-from harness import TINY, python
+from launch.local import TINY, python
 from test_config import digests
 
 EOT = 50256

@@ -1,6 +1,6 @@
-"""Tensor parallel, pipeline parallel and their meshes (issue 4) against one process.
+"""Tensor parallel, pipeline parallel and their meshes against one process.
 
-Parity (tests/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 10 steps <= 1e-4
+Parity (costs/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 10 steps <= 1e-4
 relative, the logged gradient norm at each step <= 1e-5 relative, the parameters after the first
 and the last step <= 1e-5 abs (fp16: norm and parameters after the first step only, see
 parity.assert_parity), plus the validation loss after the last step (Trainer.evaluate: under pp
@@ -27,10 +27,10 @@ import torch
 
 import main as app
 from config import UsageError, load_config
-from harness import TINY, torchrun
+from costs.parity import FP16_SCALE, LOSS_RTOL, assert_parity, load_case, run_steps
+from harness import metric_rows
+from launch.local import TINY, torchrun
 from parallel.layout import Layout
-from parity import FP16_SCALE, LOSS_RTOL, assert_parity, load_case
-from tp_pp_worker import run_case
 
 STEPS = 10
 VAL_RTOL = 1e-4
@@ -106,9 +106,11 @@ def assert_tp_fp16_tracks(ref: dict, got: dict, name: str) -> None:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    return {"tied": run_case(["parallel.strategy=none"], STEPS, out / "tied"),
-            "untied": run_case(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied"),
-            "tied_fp16": run_case(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16")}
+    return {"tied": run_steps(["parallel.strategy=none"], STEPS, out / "tied", evaluate=True),
+            "untied": run_steps(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied",
+                                evaluate=True),
+            "tied_fp16": run_steps(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16",
+                                   evaluate=True)}
 
 
 @pytest.fixture(scope="module")
@@ -135,17 +137,13 @@ def test_parity_four_processes(references, four, name):
     assert_case(references[reference_of(name)], load_case(four, name), name)
 
 
-def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_app_trains_evaluates_samples_exports_and_reshards(four, tmp_path):
     """main.py at tp=2 x pp=2 (interleaved, vocab-parallel) writes what one process writes, and
     its pp x tp snapshot resumes in one process."""
     assert json.loads((four / "app_exit_codes.json").read_text()) == [0]
     mesh_dir, ref_dir = four / "app", tmp_path / "one"
     assert app.main(APP + ["parallel.strategy=none", f"trainer.run_dir={ref_dir}"]) == 0
-    got, ref = _metrics(mesh_dir), _metrics(ref_dir)
+    got, ref = metric_rows(mesh_dir), metric_rows(ref_dir)
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(ref, got):
         for key in ("loss", "val_loss"):
@@ -160,7 +158,7 @@ def test_app_trains_evaluates_samples_exports_and_reshards(four, tmp_path):
     for run_dir in (mesh_dir, ref_dir):
         assert app.main(APP + ["parallel.strategy=none", f"trainer.run_dir={run_dir}",
                                "trainer.max_steps=12"]) == 0
-    got, ref = _metrics(mesh_dir)[-1], _metrics(ref_dir)[-1]
+    got, ref = metric_rows(mesh_dir)[-1], metric_rows(ref_dir)[-1]
     assert got["step"] == ref["step"] == 12
     assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"]
 

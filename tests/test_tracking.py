@@ -1,7 +1,7 @@
-"""Run tracking (issue 6): metrics.jsonl, wandb offline files, resume of the same wandb run, one
+"""Run tracking: metrics.jsonl, wandb offline files, resume of the same wandb run, one
 wandb run per multi-process run, a broken wandb that does not stop training, no secret in the
-run folder, the wandb.* config keys, and the progress view (terminal bar and plain lines). Issue 9:
-the wandb run of a newline-free corpus is finished, and a data.path URL's password and token are
+run folder, the wandb.* config keys, and the progress view (terminal bar and plain lines); the wandb run of
+a newline-free corpus is finished, and a data.path URL's password and token are
 in no file and no output line.
 
 No test touches the network: wandb runs offline, the "broken wandb" case points online mode
@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import CORPUS, REPO, TINY, child_env, torchrun
+from harness import metric_steps
+from launch.local import CORPUS, REPO, TINY, child_env, torchrun
 
 FAKE_KEY = "fakekey0SECRET0" + "0123456789abcdef" * 2  # 47 characters: never a real key
 METRIC_KEYS = {"loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "step_time_ms", "rss_peak_mb",
@@ -86,7 +87,7 @@ def read_wandb_run(run_folder: Path) -> dict:
 
 
 def main_env(tmp_path: Path, **extra) -> dict:
-    """harness.child_env plus wandb's own folders kept inside the test's tmp_path."""
+    """launch.local.child_env plus wandb's own folders kept inside the test's tmp_path."""
     home = tmp_path / "wandb-home"
     return child_env(WANDB_CONFIG_DIR=home / "config", WANDB_CACHE_DIR=home / "cache",
                      WANDB_DATA_DIR=home / "data", WANDB_ARTIFACT_DIR=home / "artifacts", **extra)
@@ -97,10 +98,6 @@ def run_main(args: list[str], env: dict) -> subprocess.CompletedProcess:
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
-
-
-def metric_steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_no_secret(run_dir: Path, *outputs: str) -> None:
@@ -129,7 +126,7 @@ def test_offline_run_logs_everything_and_resume_continues_the_same_run(tmp_path)
     run_dir = tmp_path / "run"
     args = TINY + [f"trainer.run_dir={run_dir}", "parallel.strategy=none", "wandb.enabled=true",
                    "trainer.save_every=5", "wandb.group=g1", "wandb.tags=t1,t2"]
-    # WANDB_MODE=offline from the environment beats the API key (the issue's `WANDB_MODE=offline torchrun`)
+    # WANDB_MODE=offline from the environment beats the API key (`WANDB_MODE=offline torchrun ...`)
     env = main_env(tmp_path, WANDB_API_KEY=FAKE_KEY)
     first = run_main(args + ["trainer.max_steps=10"], env)
 
@@ -221,7 +218,7 @@ def corpus_behind_credentials():
 
 def test_two_process_run_has_one_finished_wandb_run_and_no_secret(tmp_path, corpus_behind_credentials):
     """One launch (launches cost seconds of imports) for the 2-process checks: one wandb run, written
-    by the tracker rank only; and two faults of issue 9: (1) the corpus has no "\n", which the
+    by the tracker rank only; and two faults once seen: (1) the corpus has no "\n", which the
     end-of-run sample used to start from: the finished run exited 2, its wandb run stayed unfinished
     and rank 1 lost its peer; (2) data.path holds a password and a token, which were copied into
     config.yaml, meta.json, model.pt, wandb and stdout. The download must still use them."""

@@ -1,4 +1,5 @@
-"""Relaunching a finished run (issue 13, items 2 and 9).
+"""Relaunching a finished run: what a launch with nothing left to train, and one that trains
+longer with a changed LR schedule, print and change.
 
 - A launch with nothing left to train (resumed at or past its last step) says so in one line
   (the step reached, how to train longer, how to start fresh), exits 0 and changes nothing in
@@ -12,16 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import main as app
 from config import load_config
-from harness import TINY
+from harness import app_in_process
+from launch.local import TINY
 from trainer import lr_at
 
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=20"]
 
 
-def train(run_dir: Path, *extra: str) -> int:
-    return app.main(BASE + [f"trainer.run_dir={run_dir}", *extra])
+train = app_in_process(BASE)
 
 
 def listing(run_dir: Path) -> dict:

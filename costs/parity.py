@@ -1,4 +1,6 @@
-"""Assertions shared by the parity tests: a parallel run equals one process.
+"""A parallel run equals one process: the figures of K training steps of one layout (run_steps,
+in this process or as one rank of a torchrun launch) and their comparison with the one-process
+run's (assert_parity), for the parity tests and benchmarks/mesh_2x2x2.py.
 
 A case passes only if every figure the run produces agrees with the one-process run: the loss and
 the logged gradient norm at every step, the first-step gradients, and the parameters after the
@@ -7,8 +9,15 @@ let through (a clipping norm off by sqrt(2) moved the loss by only 1.15e-4 relat
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from config import load_config
+from launch.build import build_trainer
+from launch.local import TINY
+from parallel.env import init_distributed
 
 GRAD_ATOL = 1e-6  # first-step gradients, absolute
 LOSS_RTOL = 1e-4  # per-step losses, relative
@@ -75,3 +84,59 @@ def assert_parity(ref: dict, got: dict, name: str, grad_scale: float = 1.0,
 
 def load_case(out, name: str) -> dict:
     return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def build(overrides: list[str], run_dir: Path, base: list[str] = TINY):
+    """main.py's Trainer for `base` + overrides writing to `run_dir`, in this process's launch (one
+    process, or one rank of torchrun: the process group starts here unless it is up)."""
+    cfg = load_config(None, base + [f"trainer.run_dir={run_dir}"] + list(overrides))
+    return build_trainer(cfg, init_distributed(cfg), run_dir)
+
+
+def run_steps(overrides: list[str], steps: int, run_dir: Path, memory_at_step: int = 1,
+              evaluate: bool = False) -> dict:
+    """Train `steps` steps of TINY + overrides in this process's launch (single process or one
+    rank of torchrun). Returns losses (dp-mean, every step), the pre-clip gradient norm of every
+    step (what metrics.jsonl logs as grad_norm), first-step gradients (whole, by name), the
+    whole parameters after the last step (on rank 0; None on other ranks), each rank's resident
+    bytes after the backward of step `memory_at_step`, and with `evaluate` the validation loss
+    after the last step (Trainer.evaluate)."""
+    trainer = build(overrides, run_dir)
+    s = trainer.strategy
+    env = s.env
+    losses, norms, grads, memory, first_params = [], [], None, None, None
+    for step in range(steps):
+        loss = trainer.forward_backward()
+        if step == 0:
+            grads = s.full_grad_dict()
+        if step == memory_at_step:
+            mine = s.resident_bytes(trainer.optimizer)
+            memory = [mine]
+            if env.distributed:
+                memory = [None] * env.world_size
+                dist.all_gather_object(memory, mine)
+        norms.append(float(trainer.optimizer_step()))
+        losses.append(float(s.reduce_mean(loss)))
+        if step == 0:
+            first_params = _floats(s.full_model_state_dict())  # collective
+    result = {"losses": losses, "grad_norms": norms, "grads": grads, "memory": memory,
+              "first_params": first_params, "params": _floats(s.full_model_state_dict()),
+              "world": env.world_size, "num_params": trainer.model_cost.num_params, "dp": s.dp_size}
+    if evaluate:
+        result["val_loss"] = trainer.evaluate()
+    return result
+
+
+def _floats(state: dict | None) -> dict | None:
+    """Strategy.full_model_state_dict() (whole tensors on rank 0, None elsewhere) as fp32."""
+    return state and {k: v.float() for k, v in state.items()}
+
+
+def save_cases(cases: list[tuple[str, str]], steps: int, out: Path, **run_kwargs) -> None:
+    """For a torchrun worker: run each (name, "overrides") case with run_steps in this launch's
+    process group and save rank 0's result to OUT/NAME.pt."""
+    for name, overrides in cases:
+        result = run_steps(overrides.split(), steps, out / f"run-{name}", **run_kwargs)
+        if dist.get_rank() == 0:
+            torch.save(result, out / f"{name}.pt")
+        dist.barrier()
