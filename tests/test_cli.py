@@ -33,6 +33,7 @@ def test_help_is_whole(script, monkeypatch, capsys):
     first = doc.split("\n\n")[0]
     assert first.rstrip().endswith((".", ".)", "?", "!")), f"{script}: docstring's first paragraph {first!r}"
     monkeypatch.setattr(sys, "argv", [script, "--help"])
+    monkeypatch.syspath_prepend(str((REPO / script).parent))  # as python does: the script's folder first
     monkeypatch.delenv("RANK", raising=False)  # memory_per_strategy.py runs its worker under torchrun
     with pytest.raises(SystemExit) as done:
         runpy.run_path(str(REPO / script), run_name="__main__")  # exactly `python SCRIPT --help`
