@@ -57,6 +57,7 @@ class ModelConfig:
     tie_weights: bool = True
     gelu: str = "erf"  # erf (exact) | tanh (GPT-2's approximation, needed by GPT-2 weights)
     init_from: str = ""  # start a new run from weights: a Hugging Face GPT-2 folder or a model.pt
+    size: str = ""  # a named GPT-2 shape (gpt2 | gpt2-medium | gpt2-large | gpt2-xl) for n_layer/n_head/n_embd
 
 
 @dataclass
@@ -152,6 +153,7 @@ class Config:
         shape = dataclasses.asdict(self.model)
         shape.pop("dropout")
         shape.pop("init_from")  # only where a run starts: a resume loads the snapshot's weights
+        shape.pop("size")  # a name for n_layer/n_head/n_embd, which are in the hash themselves
         if shape["gelu"] == "erf":  # the form every run used before the key existed: same hash
             shape.pop("gelu")
         shape["tokenizer"] = self.data.tokenizer

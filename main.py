@@ -46,7 +46,7 @@ from config import DEFAULT_CONFIG, UsageError, load_config
 from costs.planner import parse_bytes, plan, render
 from launch.app import run
 from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
-from snapshots.pretrained import adopt_source_shape
+from snapshots.pretrained import adopt_model_shape
 
 
 def parse_args(argv):
@@ -72,7 +72,7 @@ def parse_args(argv):
 
 def print_plan(args) -> int:
     """--plan: predictions for every layout on --world-size ranks (costs/planner.py); no process group."""
-    cfg = load_config(args.config, args.overrides, adopt=adopt_source_shape)
+    cfg = load_config(args.config, args.overrides, adopt=adopt_model_shape)
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")

@@ -28,7 +28,7 @@ from observe.redact import redact_url
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
 from snapshots.model_file import MODEL_FILE
-from snapshots.pretrained import adopt_source_shape
+from snapshots.pretrained import adopt_model_shape
 from trainer import Trainer, lr_at
 
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --plan-json and --explain"
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     """One launch. `keep_process_group`: leave the process group up at the end, for a caller that
     runs several launches in one torchrun job (the tests' workers)."""
     cfg = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                      adopt=adopt_source_shape)
+                      adopt=adopt_model_shape)
     if args.world_size is not None or args.device_memory is not None or args.plan_json or args.explain:
         raise UsageError(f"{PLAN_ONLY_FLAGS} only apply with --plan; add --plan")
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)

@@ -14,6 +14,7 @@ output columns and every projection weight is transposed. The LM head is tied to
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -110,6 +111,30 @@ def _hf_header(path: Path, refuse) -> tuple[dict, dict]:
         refuse(f"vocab_size={cfg['vocab_size']} is not GPT-2's {GPT2_VOCAB} and there is no "
                f"{TOKENIZER_FILE}; only the GPT-2 tokenizer can be matched")
     return cfg, tokenizer
+
+
+# GPT-2's published sizes (Radford et al. 2019, table 2; Hugging Face's gpt2* configs): model.size
+GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+              "gpt2-xl": (48, 25, 1600)}  # name -> (n_layer, n_head, n_embd)
+
+
+def adopt_model_shape(cfg: Config, explicit: set[str]) -> None:
+    """The model shape from what names it, for every shape key the user did not set: a named
+    GPT-2 size (model.size), then model.init_from's own shape (adopt_source_shape). A key the
+    user set that contradicts the named size is refused, naming both."""
+    if cfg.model.size:
+        if cfg.model.size not in GPT2_SIZES:
+            close = difflib.get_close_matches(cfg.model.size, list(GPT2_SIZES), n=1, cutoff=0.5)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UsageError(f"model.size='{cfg.model.size}' is not one of {', '.join(GPT2_SIZES)}{hint}; "
+                             f"or leave it empty and set model.n_layer, n_head, n_embd")
+        for key, value in zip(("n_layer", "n_head", "n_embd"), GPT2_SIZES[cfg.model.size]):
+            if f"model.{key}" in explicit and getattr(cfg.model, key) != value:
+                raise UsageError(f"model.size={cfg.model.size} has model.{key}={value} but model.{key}="
+                                 f"{getattr(cfg.model, key)} is set too; remove one of them")
+            setattr(cfg.model, key, value)
+            explicit = explicit | {f"model.{key}"}
+    adopt_source_shape(cfg, explicit)
 
 
 def adopt_source_shape(cfg: Config, explicit: set[str]) -> None:

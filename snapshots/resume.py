@@ -57,7 +57,7 @@ def refuse_another_run(path: Path, meta: SnapshotMeta, cfg: Config, now: dict) -
         current = dataclasses.asdict(cfg.model)
         for k, v in current.items():
             key = f"model.{k}"
-            if k not in ("dropout", "init_from") and key not in now and was(key) is not None and was(key) != v:
+            if k not in ("dropout", "init_from", "size") and key not in now and was(key) is not None and was(key) != v:
                 changes.append(f"{key}={show(was(key))} (now {show(v)})")
         if not changes:  # a snapshot without a readable config
             changes.append(f"model {old_cfg.get('model', {})}")

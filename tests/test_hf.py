@@ -28,6 +28,7 @@ from launch.build import build_trainer
 from launch.local import TINY, torchrun
 from parallel.env import init_distributed
 from snapshots.model_file import read_model_file
+from snapshots.pretrained import adopt_model_shape
 
 # A GPT-2 of the test size: 2 blocks, 2 heads (tp=2 splits them), the GPT-2 vocabulary.
 HF_SHAPE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)
@@ -262,3 +263,26 @@ def test_init_from_adopts_the_source_shape_the_user_did_not_set(hf_dir, tmp_path
     again = tmp_path / "from_pt"
     assert app.main(base + [f"model.init_from={run / 'model.pt'}", f"trainer.run_dir={again}"]) == 0
     assert yaml.safe_load((again / "config.yaml").read_text())["model"]["n_head"] == 2
+
+
+def test_named_gpt2_sizes_set_the_shape_for_training_and_plan(tmp_path, capsys):
+    """model.size=gpt2-medium is 24 layers x 16 heads x 1024 wide, for --plan and for training;
+    a size that does not exist, or a shape key set against the size, is refused in one line."""
+    assert app.main(["--plan", "--world-size", "8", "model.size=gpt2-xl", "data.tokenizer=gpt2",
+                     "model.block_size=1024", "trainer.batch_size=8", "trainer.micro_batch_size=0",
+                     "wandb.enabled=false"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: 48 layers x 1600 wide, 25 heads, block 1024, vocab 50257 (GPT-2 BPE), "
+                          "1,557,611,200 parameters"), out[:300]  # GPT-2 XL's 1.5B
+    shapeless = [a for a in TINY if a.split("=")[0] not in ("model.n_layer", "model.n_head", "model.n_embd")]
+    # a launch resolves the name with the same hook (launch/app.py), before anything is built
+    m = load_config(None, shapeless + ["model.size=gpt2-medium"], adopt=adopt_model_shape).model
+    assert (m.n_layer, m.n_head, m.n_embd) == (24, 16, 1024)
+    run = tmp_path / "refused"
+    for bad, words in ((["model.size=gpt3"], "model.size='gpt3' is not one of gpt2, gpt2-medium"),
+                       (["model.size=gpt2", "model.n_head=4"], "model.size=gpt2 has model.n_head=12 but "
+                                                               "model.n_head=4 is set too")):
+        assert app.main(shapeless + bad + [f"trainer.run_dir={run}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert not run.exists()
