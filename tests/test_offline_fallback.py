@@ -10,8 +10,7 @@ from __future__ import annotations
 import main as app
 import sample
 from config import TrainerConfig
-from harness import CORPUS
-from launch.local import TINY
+from launch.local import CORPUS, TINY
 from test_data import closed_port
 
 
