@@ -268,7 +268,7 @@ def test_state_dict_loads_across_strategies_and_world_sizes(two, four, tmp_path)
     import torch.distributed.checkpoint as dcp
 
     from dp_worker import build, whole_state
-    trainer = build("parallel.strategy=none", tmp_path)
+    trainer = build(["trainer.resume=never", "parallel.strategy=none"], tmp_path)
     template = trainer.strategy.state_dict(trainer.optimizer)
     dcp.load(template, checkpoint_id=str(two / "ckpt-zero2"), no_dist=True)
     trainer.strategy.load_state_dict(template, trainer.optimizer)
