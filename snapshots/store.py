@@ -16,8 +16,8 @@ hashes the files into meta.json, then renames the folder into place: one rename,
 finished. A kill at any moment leaves the older snapshots as they were. Older snapshots beyond
 the `trainer.keep_snapshots` newest valid ones are deleted only after the new one is in place.
 
-Loading: rank 0 walks the snapshots newest first and takes the first whose meta.json parses and
-whose files match their recorded sizes and hashes (a damaged one is skipped with a warning), then
+Loading: rank 0 walks the snapshots newest first and takes the first valid one
+(snapshots/validate.py; a damaged one is skipped with a warning), then
 broadcasts its choice so every rank loads the same one. A damaged snapshot is never counted by
 pruning (the newest valid one is never deleted) and is moved aside into `snapshots/damaged/` at
 the next save, not deleted.
@@ -35,7 +35,6 @@ around it are this module's own.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -52,6 +51,7 @@ from config import UsageError
 from launch.faults import fault_point
 from snapshots.meta import FORMAT_VERSION, META, SnapshotMeta, step_dir_name
 from snapshots.reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
+from snapshots.validate import list_snapshots, other_format_refusal, validate_snapshot
 from storage.files import atomic_write_text, fsync_dir, sha256_file
 
 DAMAGED = "damaged"  # snapshots/damaged/<name>: damaged snapshots moved aside, never loaded
@@ -124,78 +124,6 @@ def _put_rest(state: dict, stored: dict, where: str = "") -> None:
             state[k] = _like(stored[k], v)
         else:
             raise KeyError(f"{where}{k}")
-
-
-# ------------------------------------------------------------------ validation
-
-def _other_format(meta) -> int | None:
-    """The snapshot format recorded in meta.json when it is not this version's."""
-    fmt = meta.get("format") if isinstance(meta, dict) else None
-    ok = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt != FORMAT_VERSION
-    return fmt if ok else None
-
-
-def other_format_refusal(path: Path) -> str | None:
-    """The refusal line for a snapshot of another format (None for this format, or unreadable)."""
-    try:
-        fmt = _other_format(json.loads((path / META).read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        return None
-    if fmt is None:
-        return None
-    which = "an older" if fmt < FORMAT_VERSION else "a newer"
-    return (f"snapshot {path} has snapshot format {fmt}, written by {which} version of this project "
-            f"(this one reads format {FORMAT_VERSION}, which unpickles nothing); resume or export it "
-            f"with that version, or use another trainer.run_dir")
-
-
-def validate_snapshot(path: Path) -> tuple[dict | None, str]:
-    """(meta, "") for a complete, undamaged snapshot, else (None, reason). Hashes every file and
-    reads the DCP index through the restricted unpickler."""
-    meta_path = path / META
-    if not meta_path.is_file():
-        return None, "no meta.json (incomplete)"
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None, "meta.json is damaged"
-    if (fmt := _other_format(meta)) is not None:
-        return None, f"snapshot format {fmt}, not this version's {FORMAT_VERSION}"
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
-        return None, "meta.json is not a snapshot record of this version"
-    missing = [f.name for f in dataclasses.fields(SnapshotMeta) if f.name not in meta
-               and f.default is dataclasses.MISSING]
-    if missing:
-        return None, f"meta.json lacks {', '.join(missing)}"
-    for name, rec in meta["files"].items():
-        f = path / name
-        if "/" in name or name in (".", "..") or not f.is_file():
-            return None, f"missing file {name}"
-        if f.stat().st_size != rec["size"]:
-            return None, f"file {name} has the wrong size (truncated?)"
-        if sha256_file(f) != rec["sha256"]:
-            return None, f"file {name} fails its checksum"
-    if ".metadata" not in meta["files"]:
-        return None, "no DCP metadata"
-    try:
-        read_dcp_metadata(path, set(meta["files"]))
-    except UnsafeSnapshot as e:
-        return None, f"unsafe: {e}"
-    return meta, ""
-
-
-def list_snapshots(snap_dir: Path) -> list[Path]:
-    """Complete snapshot folders, newest step first (temp folders are never listed)."""
-    if not snap_dir.is_dir():
-        return []
-    found = []
-    for p in snap_dir.iterdir():
-        if p.is_dir() and p.name.startswith("step_"):
-            try:
-                found.append((int(p.name[5:]), p))
-            except ValueError:
-                continue
-    return [p for _, p in sorted(found, reverse=True)]
 
 
 @dataclass
