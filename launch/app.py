@@ -86,6 +86,7 @@ def _resume(trainer: Trainer, cfg: Config, env: DistEnv, run_dir: Path) -> bool:
         if env.rank == 0:
             print(trainer.nothing_left_message(), flush=True)
         return False
+    trainer.snapshots.check_room()  # a disk still full: stop now, not at the next save
     return True
 
 
