@@ -320,9 +320,12 @@ class SnapshotManager:
         up to the save that fails again."""
         problem = None
         if self.rank == 0 and self.newest is not None:
-            meta = json.loads((self.newest / META).read_text(encoding="utf-8"))
-            need = sum(rec["size"] for rec in meta["files"].values()) + (self.newest / META).stat().st_size
-            problem = room_problem(self.snap_dir, need, self.snap_dir.glob(".tmp-*"))
+            try:
+                meta = json.loads((self.newest / META).read_text(encoding="utf-8"))
+                need = sum(rec["size"] for rec in meta["files"].values()) + (self.newest / META).stat().st_size
+                problem = room_problem(self.snap_dir, need, self.snap_dir.glob(".tmp-*"))
+            except OSError as e:  # the storage fails the check itself: every rank must hear it
+                problem = e, ""
         problem = self._broadcast(problem)
         if problem is not None:
             error, detail = problem
