@@ -5,7 +5,8 @@ snapshot that stays the resume point and the fix (exit 3); once fixed, a relaunc
 command ends bit-identical to an uninterrupted run. model.pt and sample.txt at the end of a run
 are one warning, and export.py rebuilds model.pt from the final snapshot.
 
-Each fault is real: a size-limited tmpfs (ENOSPC), `mount -o remount,ro` mid-save (EROFS), a
+Each fault is real: a size-limited tmpfs (ENOSPC; also one filled by another writer mid-run, which
+the metrics row meets first), `mount -o remount,ro` mid-save (EROFS), a
 process without the capabilities that let root ignore permissions (EACCES), and the `eio` fault
 hook inside one rank's DCP write (EIO, which this machine cannot cause for real). Mounting needs
 root, as CI has.
@@ -13,6 +14,7 @@ root, as CI has.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -74,6 +76,10 @@ def assert_only_valid_snapshots(run: Path, steps: list[int]) -> None:
     assert [int(p.name[5:]) for p in reversed(found)] == steps, found
     for p in found:
         assert validate_snapshot(p)[0] is not None, validate_snapshot(p)[1]
+
+
+def metric_steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def storage_line(out: str) -> str:
@@ -261,6 +267,49 @@ def fill(disk: Path) -> Path:
         except OSError:
             pass
     return filler
+
+
+def test_disk_filled_by_another_writer_mid_run_then_relaunch_matches(single_uninterrupted, tmp_path,
+                                                                    monkeypatch, capsys):
+    """Something else fills the disk after step 8: the metrics row of step 10 is one warning (only
+    the tracker rank writes rows), the save of step 10 stops the run with the one line (exit 3);
+    with the space freed the same command ends bit-identical, every metrics row once."""
+    real = trainer_module.poison_if_asked
+    fillers = []
+
+    def fill_at_step_8(step, rank, first_parameter):
+        if step == 8 and not fillers:
+            # metrics.jsonl ends on a page boundary (blank lines, which a resume drops), so its next
+            # row needs a page the full disk no longer has, as a longer history would
+            metrics = run / "metrics.jsonl"
+            with open(metrics, "a") as f:
+                f.write("\n" * (-metrics.stat().st_size % 4096))
+            fillers.append(fill(disk))
+        return real(step, rank, first_parameter)
+
+    with tmpfs(tmp_path / "disk", "64m") as disk:
+        run = disk / "run"
+        snaps = run / "snapshots"
+        monkeypatch.setattr(trainer_module, "poison_if_asked", fill_at_step_8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert app.main(SINGLE + [f"trainer.run_dir={run}"]) == 3
+        ours = [str(w.message) for w in caught if "metrics row" in str(w.message)]
+        assert ours == [f"the metrics row of step 10 cannot be written to {run} (No space left on device); "
+                        f"training goes on, and a snapshot the storage refuses stops the run"], ours
+        err = capsys.readouterr().err
+        assert storage_line(err) == (
+            f"error: cannot write snapshot step 10 to {snaps} (No space left on device); nothing was lost: the "
+            f"newest valid snapshot {snaps / 'step_0000005'} stays the resume point; free space and relaunch "
+            f"the same command"), err[-3000:]
+        assert "Traceback" not in err
+        assert_only_valid_snapshots(run, [5])
+
+        monkeypatch.setattr(trainer_module, "poison_if_asked", real)
+        fillers[0].unlink()
+        assert app.main(SINGLE + [f"trainer.run_dir={run}"]) == 0
+        assert_bit_identical(single_uninterrupted / "model.pt", run / "model.pt")
+        assert metric_steps(run) == metric_steps(single_uninterrupted) == [5, 10, 15, 20]
 
 
 def test_outputs_on_a_full_disk_are_one_warning_and_export_rebuilds_model_pt(
