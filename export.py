@@ -22,6 +22,7 @@ from snapshots.consolidate import consolidate
 from snapshots.meta import step_dir_name
 from snapshots.model_file import MODEL_FILE, read_model_file, write_model_file
 from snapshots.pretrained import write_hf
+from storage.failures import STORAGE_EXIT, error_words, fix_for, os_error_in
 
 
 def model_step_path(run_dir: Path, step: int) -> Path:
@@ -69,7 +70,14 @@ def main(argv=None) -> int:
             print(f"wrote {args.out} (Hugging Face GPT-2) from step {model_file.step}")
             return 0
         out, note = (Path(args.out), "") if args.out else default_out(run_dir, model_file.step, args.step is not None)
-        write_model_file(out, model_file)
+        try:
+            write_model_file(out, model_file)
+        except Exception as e:  # written whole or not at all: nothing of it is left
+            if (cause := os_error_in(e)) is None:  # torch.save wraps a failed write in a RuntimeError
+                raise
+            print(f"error: cannot write {out} ({error_words(cause)}); nothing was written; "
+                  f"{fix_for(cause, out.parent)} and run this command again", file=sys.stderr)
+            return STORAGE_EXIT
         print(f"wrote {out} from step {model_file.step}{note}")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

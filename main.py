@@ -12,7 +12,9 @@ and exit code 2. Nothing in the run folder is written before every check (resume
 passed, so a refused launch leaves the folder as it was.
 SIGTERM/SIGINT during training: every rank stops at one step, saves it, one line naming the
 command that resumes, exit (launch/app.py); before or after training: one line, then the process
-ends by that signal (launch/stopping.py). A non-finite loss or weight: one line, exit 1.
+ends by that signal (launch/stopping.py). A non-finite loss or weight: one line, exit 1. A
+snapshot the storage refuses (full, read-only, no permission, I/O error): one line naming the
+snapshot that stays the resume point, exit 3 (storage/failures.py).
 
 This file is the command: its arguments, and the one place errors and signals end a launch
 (launch/errors.py). The launch itself is launch/app.py, building the Trainer launch/build.py.

@@ -29,6 +29,7 @@ from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
 from snapshots.model_file import MODEL_FILE
 from snapshots.pretrained import adopt_model_shape
+from storage.failures import os_error_in
 from trainer import Trainer, lr_at
 
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --plan-json and --explain"
@@ -91,6 +92,7 @@ def _resume(trainer: Trainer, cfg: Config, env: DistEnv, run_dir: Path) -> bool:
         if env.rank == 0:
             print(trainer.nothing_left_message(), flush=True)
         return False
+    trainer.snapshots.check_room()  # a disk still full: stop now, not at the next save
     return True
 
 
@@ -172,16 +174,16 @@ def stop_exit_code(signum: int, under_torchrun: bool) -> int:
 
 def _finish(cfg: Config, env: DistEnv, trainer: Trainer, summary: RunSummary, run_dir: Path) -> None:
     """The outputs: consolidated weights, a short sample, the tracker's summary. The run is complete
-    here (its final snapshot is written), so a failure in rank 0's file writes is one warning,
+    here (its final snapshot is written), so failures in rank 0's file writes are one warning,
     never an exit code. The gather is a collective every rank enters, so it is not guarded: a rank
     that failed inside it and went on would strand the others in it."""
     strategy = trainer.strategy
     sd = strategy.full_model_state_dict()
     if env.rank == 0:
-        after_training("writing model.pt", lambda: trainer.write_model(run_dir / MODEL_FILE, sd),
-                       f"; python export.py --run-dir {run_dir} writes it from the final snapshot")
+        outputs = {MODEL_FILE: lambda: trainer.write_model(run_dir / MODEL_FILE, sd)}
         if cfg.trainer.sample_tokens:
-            after_training("the sample", lambda: _write_sample(trainer, sd, run_dir))
+            outputs[SAMPLE_FILE] = lambda: _write_sample(trainer, sd, run_dir)
+        write_outputs(outputs, trainer.last_snapshot, run_dir)
     env.barrier()
     if strategy.is_tracker:
         sample_path = run_dir / SAMPLE_FILE
@@ -192,18 +194,47 @@ def _finish(cfg: Config, env: DistEnv, trainer: Trainer, summary: RunSummary, ru
         print(f"done: step {summary.final_step} | val loss {val} | outputs in {run_dir}", flush=True)
 
 
+def write_outputs(outputs: dict, final_snapshot: Path | None, run_dir: Path) -> None:
+    """Write each output of a finished run (name -> writer; each writes whole or not at all). Those
+    that fail are one warning together (a full disk fails them all), naming the final snapshot
+    and the command that rebuilds model.pt from it."""
+    failed = {}
+    for name, write in outputs.items():
+        try:
+            write()
+        except Exception as e:  # the run is complete: nothing here may turn it into a failed one
+            failed[name] = e
+    if not failed:
+        return
+    causes = "; ".join(dict.fromkeys(_cause(e) for e in failed.values()))
+    rebuild = (f"its final snapshot {final_snapshot} holds the weights, and python export.py --run-dir "
+               f"{run_dir} writes {MODEL_FILE} from it" if MODEL_FILE in failed else
+               f"{run_dir / MODEL_FILE} is written (python sample.py --run-dir {run_dir} samples it)")
+    warnings.warn(redact_url(f"{' and '.join(failed)} could not be written after training ({causes}); "
+                             f"the run itself is complete: {rebuild}"), stacklevel=2)
+
+
+def _cause(e: Exception) -> str:
+    """'OSError: No space left on device': the error's type and its first line, without paths;
+    for a storage error, the OSError behind it (torch.save wraps a failed write in a RuntimeError)."""
+    os_error = os_error_in(e)
+    if os_error is not None and os_error.strerror:
+        return f"{type(os_error).__name__}: {os_error.strerror}"
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 def _write_sample(trainer: Trainer, sd: dict, run_dir: Path) -> None:
     model = GPT(GPTConfig(**trainer.model_config))
     model.load_state_dict(sd)
     write_sample(model, trainer.tokenizer, trainer.cfg.trainer.sample_tokens, trainer.cfg.trainer.seed, run_dir)
 
 
-def after_training(what: str, fn, fix: str = ""):
+def after_training(what: str, fn):
     """fn() for an output of a finished run; a failure is one warning line and returns None."""
     try:
         return fn()
     except Exception as e:  # the run is complete: nothing here may turn it into a failed one
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        warnings.warn(redact_url(f"{what} failed after training ({type(e).__name__}: {first}); the run "
-                                 f"itself is complete{fix}"), stacklevel=2)
+        warnings.warn(redact_url(f"{what} failed after training ({_cause(e)}); the run itself is complete"),
+                      stacklevel=2)
         return None

@@ -22,7 +22,7 @@ from model import GPT, GPTConfig
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
 from snapshots.pretrained import Source, check_shape, check_tokenizer, load_initial, open_source
-from snapshots.store import list_snapshots
+from snapshots.validate import list_snapshots
 from trainer import Trainer, seed_rng
 
 

@@ -1,7 +1,9 @@
 """How a launch ends when it refuses: one line, an exit code, and torchrun's error file.
 
 Bad input anywhere is a `UsageError` (config.py): one line on stderr (rank 0's), exit 2. A
-non-finite loss or weight is a `NonFiniteError` (observe/health.py): one line, exit 1. Any other
+non-finite loss or weight is a `NonFiniteError` (observe/health.py): one line, exit 1. A snapshot
+the storage refused (full, read-only, no permission, an I/O error) is a `StorageError`
+(storage/failures.py): one line naming the snapshot that stays the resume point, exit 3. Any other
 exception is a bug and keeps its traceback. Under torchrun the same line goes to the worker's
 TORCHELASTIC_ERROR_FILE, the file torchrun's failure summary shows.
 """
@@ -17,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from config import Config, UsageError
 from observe.health import NonFiniteError
+from storage.failures import STORAGE_EXIT, StorageError
 
 # How long a rank other than 0 waits before reporting an error under torchrun, so rank 0 (which
 # meets the same bad input) reports it first and the agent stops the rest (it polls every 0.1 s).
@@ -31,13 +34,15 @@ def one_line_warnings() -> None:
 
 
 def exit_code(e: BaseException) -> int:
+    if isinstance(e, StorageError):
+        return STORAGE_EXIT
     return 2 if isinstance(e, UsageError) else 1
 
 
 def error_line(e: BaseException) -> str | None:
-    """The one line a refused launch ends with: bad input (UsageError) or a non-finite loss; None
-    for any other exception (a bug: its traceback is the useful report)."""
-    if isinstance(e, UsageError):
+    """The one line a refused launch ends with: bad input (UsageError), a storage failure or a
+    non-finite loss; None for any other exception (a bug: its traceback is the useful report)."""
+    if isinstance(e, (UsageError, StorageError)):
         return f"error: {e}"
     if isinstance(e, NonFiniteError):
         kept = (f"the newest snapshot {e.last_snapshot} stays the resume point" if e.last_snapshot

@@ -1,32 +1,44 @@
 """Faults caused on purpose, for the tests: `MINGPT_FAULT=ACTION:WHERE:STEP:RANK`.
 
 STEP may be '*'. Faults fire on the first launch attempt only, so a group that torchrun restarts
-can finish. The places that call `fault_point` are the WHEREs: `save` (snapshots/store.py, right
-after a rank wrote its shards of snapshot STEP, the folder still temporary) and `update`
-(trainer.py, right after the optimizer step of STEP). Actions: `kill` SIGKILLs that rank; `term`
-sends it a real SIGTERM; `nan` (at update) makes RANK's first weight NaN (only that rank's copy
-or shard), as a diverged run would.
+can finish. The places that ask for a fault are the WHEREs: `save` (snapshots/store.py, right
+after a rank wrote its shards of snapshot STEP, the folder still temporary; for `eio`, inside
+that rank's write of them, snapshots/writer.py) and `update` (trainer.py, right after the
+optimizer step of STEP). Actions: `kill` SIGKILLs that rank; `term` sends it a real SIGTERM; `nan`
+(at update) makes RANK's first weight NaN (only that rank's copy or shard), as a diverged run
+would; `eio` (at save) makes every write of RANK's snapshot files raise OSError(EIO) from the file
+object DCP writes into, as a failing disk or a lost network mount would (this machine cannot cause
+one for real).
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
+from contextlib import contextmanager
 
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from parallel.dtensor import local_tensor
 from parallel.env import restart_count
 
 
-def fault_point(where: str, step: int, rank: int) -> str | None:
-    """Do the `kill` or `term` asked for here; return any other matching action for the caller."""
+def fault_asked(where: str, step: int, rank: int) -> str | None:
+    """The action MINGPT_FAULT asks for here (None: none), without doing it."""
     spec = os.environ.get("MINGPT_FAULT")
     if not spec or restart_count() != 0:
         return None
     action, at, at_step, at_rank = spec.split(":")
     if at != where or at_step not in ("*", str(step)) or int(at_rank) != rank:
         return None
+    return action
+
+
+def fault_point(where: str, step: int, rank: int) -> str | None:
+    """Do the `kill` or `term` asked for here; return any other matching action for the caller."""
+    action = fault_asked(where, step, rank)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "term":
@@ -40,3 +52,25 @@ def poison_if_asked(step: int, rank: int, first_parameter: torch.Tensor) -> None
     """`nan:update:STEP:RANK`: RANK's first weight becomes NaN after the update of STEP."""
     if fault_point("update", step, rank) == "nan":
         local_tensor(first_parameter).fill_(float("nan"))
+
+
+class _EIOStream:
+    """A real open file whose writes fail as a disk's I/O error does: the file exists, empty."""
+
+    def __init__(self, stream, path):
+        self._stream, self._path = stream, str(path)
+
+    def write(self, data) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), self._path)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class EIOFileSystem(FileSystem):
+    """DCP's local filesystem for `eio:save`: files are created, every write to them fails."""
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield _EIOStream(stream, path) if "w" in mode else stream

@@ -7,6 +7,7 @@ import torch
 
 from config import UsageError
 from model import GPT
+from storage.files import atomic_write_text
 
 SAMPLE_FILE = "sample.txt"
 
@@ -36,5 +37,5 @@ def write_sample(model: GPT, tok, tokens: int, seed: int, run_dir: Path) -> None
     """The end-of-run sample, from the default prompt, into <run_dir>/sample.txt and stdout."""
     (run_dir / SAMPLE_FILE).unlink(missing_ok=True)  # an older launch's sample is not this run's
     sample = generate_text(model.eval(), tok, prompt=default_prompt(tok), tokens=tokens, seed=seed)
-    (run_dir / SAMPLE_FILE).write_text(sample, encoding="utf-8")
+    atomic_write_text(run_dir / SAMPLE_FILE, sample)  # whole or not at all (a full disk)
     print(f"--- sample ---\n{sample}\n--------------", flush=True)

@@ -41,7 +41,7 @@ from tqdm import tqdm
 from config import Config
 from observe.redact import redact_url
 from parallel.env import restart_count
-from storage.files import atomic_write_text
+from storage.files import append_whole, atomic_write_text
 
 TRACKER_FILE = "tracker.json"
 METRICS_FILE = "metrics.jsonl"
@@ -148,6 +148,7 @@ class RunTracker(NullTracker):
         self.mode = wandb_mode(cfg)
         self._wandb = None
         self._logged_this_launch = False
+        self._storage_warned = False  # one warning per launch for rows the storage refused
         self._init_wandb()
         self._save_state()
 
@@ -208,13 +209,28 @@ class RunTracker(NullTracker):
 
     def log(self, step: int, metrics: dict) -> None:
         """One row: to metrics.jsonl always, to wandb only if the wandb run lacks this step."""
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        try:
+            append_whole(self.metrics_path, (json.dumps({"step": step, **metrics}) + "\n").encode("utf-8"))
+        except OSError as e:
+            self._storage_warning(step, e)
         if step > self.last_logged_step and self._wandb_call(
                 "log", lambda: self._wandb.log(metrics, step=step)):
             self.last_logged_step = step
             self._logged_this_launch = True
-            self._save_state()
+            try:
+                self._save_state()
+            except OSError as e:
+                self._storage_warning(step, e)
+
+    def _storage_warning(self, step: int, e: OSError) -> None:
+        """A row the storage refused (a full disk): one warning per launch, and training goes on.
+        Only this rank writes rows, so stopping here would strand the others; the next snapshot
+        save meets the same storage and stops every rank together (snapshots/store.py), and the
+        relaunch computes and writes again every row after the snapshot it resumes from."""
+        if not self._storage_warned:
+            self._storage_warned = True
+            warnings.warn(f"the metrics row of step {step} cannot be written to {self.run_dir} ({e.strerror or e}); "
+                          f"training goes on, and a snapshot the storage refuses stops the run", stacklevel=3)
 
     def log_text(self, key: str, text: str) -> None:
         """A text (the final sample): an HTML panel in the last row, and the raw text in the summary."""

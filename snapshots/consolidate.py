@@ -16,7 +16,8 @@ from model import GPT, GPTConfig
 from snapshots.meta import SnapshotMeta, step_dir_name
 from snapshots.model_file import ModelFile
 from snapshots.reader import UnsafeSnapshot
-from snapshots.store import list_snapshots, load_tensors, other_format_refusal, validate_snapshot
+from snapshots.store import load_tensors
+from snapshots.validate import list_snapshots, other_format_refusal, validate_snapshot
 
 
 def consolidate(run_dir: Path, step: int | None) -> ModelFile:

@@ -48,8 +48,13 @@ class ModelFile:
 
 
 def write_model_file(path: Path, model_file: ModelFile) -> None:
-    """Whole or not at all (a reader never sees half a file), and durable before it is named."""
-    atomic_write(path, lambda tmp: torch.save(model_file.payload(), tmp), durable=True)
+    """Whole or not at all (a reader never sees half a file), and durable before it is named.
+    torch.save writes through a Python file, so a failed write surfaces as its OSError (a full
+    disk: ENOSPC); given a path, torch writes in C++ and reports only 'unexpected pos'."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(model_file.payload(), f)
+    atomic_write(path, write, durable=True)
 
 
 def read_model_file(path: Path, who: str = "", fix: str = "export it again with python export.py",

@@ -13,11 +13,16 @@ Layout of `<run_dir>/snapshots/`:
 
 Writing: every rank writes its shards into the temp folder (dcp.save, a collective), rank 0
 hashes the files into meta.json, then renames the folder into place: one rename, after all ranks
-finished. A kill at any moment leaves the older snapshots as they were. Older snapshots beyond
+finished (snapshots/writer.py). A kill at any moment leaves the older snapshots as they were. A
+write the storage refuses on any rank (full, read-only, no permission, an I/O error) becomes one
+StorageError on every rank alike: DCP gathers each rank's failure to every rank, and rank 0's own
+steps (the temp folder, meta.json, the rename) broadcast their outcome, so no rank is left waiting
+in a collective. The failed temp folder is removed and nothing is pruned. Older snapshots beyond
 the `trainer.keep_snapshots` newest valid ones are deleted only after the new one is in place.
+Leftover temp folders (a killed save's) are removed when the next save starts.
 
-Loading: rank 0 walks the snapshots newest first and takes the first whose meta.json parses and
-whose files match their recorded sizes and hashes (a damaged one is skipped with a warning), then
+Loading: rank 0 walks the snapshots newest first and takes the first valid one
+(snapshots/validate.py; a damaged one is skipped with a warning), then
 broadcasts its choice so every rank loads the same one. A damaged snapshot is never counted by
 pruning (the newest valid one is never deleted) and is moved aside into `snapshots/damaged/` at
 the next save, not deleted.
@@ -35,7 +40,6 @@ around it are this module's own.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -52,7 +56,9 @@ from config import UsageError
 from launch.faults import fault_point
 from snapshots.meta import FORMAT_VERSION, META, SnapshotMeta, step_dir_name
 from snapshots.reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
-from storage.files import atomic_write_text, fsync_dir, sha256_file
+from snapshots.validate import list_snapshots, other_format_refusal, validate_snapshot
+from snapshots.writer import SnapshotWriter, rename_into_place, write_record
+from storage.failures import StorageError, error_words, os_error_in, room_problem
 
 DAMAGED = "damaged"  # snapshots/damaged/<name>: damaged snapshots moved aside, never loaded
 
@@ -126,78 +132,6 @@ def _put_rest(state: dict, stored: dict, where: str = "") -> None:
             raise KeyError(f"{where}{k}")
 
 
-# ------------------------------------------------------------------ validation
-
-def _other_format(meta) -> int | None:
-    """The snapshot format recorded in meta.json when it is not this version's."""
-    fmt = meta.get("format") if isinstance(meta, dict) else None
-    ok = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt != FORMAT_VERSION
-    return fmt if ok else None
-
-
-def other_format_refusal(path: Path) -> str | None:
-    """The refusal line for a snapshot of another format (None for this format, or unreadable)."""
-    try:
-        fmt = _other_format(json.loads((path / META).read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        return None
-    if fmt is None:
-        return None
-    which = "an older" if fmt < FORMAT_VERSION else "a newer"
-    return (f"snapshot {path} has snapshot format {fmt}, written by {which} version of this project "
-            f"(this one reads format {FORMAT_VERSION}, which unpickles nothing); resume or export it "
-            f"with that version, or use another trainer.run_dir")
-
-
-def validate_snapshot(path: Path) -> tuple[dict | None, str]:
-    """(meta, "") for a complete, undamaged snapshot, else (None, reason). Hashes every file and
-    reads the DCP index through the restricted unpickler."""
-    meta_path = path / META
-    if not meta_path.is_file():
-        return None, "no meta.json (incomplete)"
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None, "meta.json is damaged"
-    if (fmt := _other_format(meta)) is not None:
-        return None, f"snapshot format {fmt}, not this version's {FORMAT_VERSION}"
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
-        return None, "meta.json is not a snapshot record of this version"
-    missing = [f.name for f in dataclasses.fields(SnapshotMeta) if f.name not in meta
-               and f.default is dataclasses.MISSING]
-    if missing:
-        return None, f"meta.json lacks {', '.join(missing)}"
-    for name, rec in meta["files"].items():
-        f = path / name
-        if "/" in name or name in (".", "..") or not f.is_file():
-            return None, f"missing file {name}"
-        if f.stat().st_size != rec["size"]:
-            return None, f"file {name} has the wrong size (truncated?)"
-        if sha256_file(f) != rec["sha256"]:
-            return None, f"file {name} fails its checksum"
-    if ".metadata" not in meta["files"]:
-        return None, "no DCP metadata"
-    try:
-        read_dcp_metadata(path, set(meta["files"]))
-    except UnsafeSnapshot as e:
-        return None, f"unsafe: {e}"
-    return meta, ""
-
-
-def list_snapshots(snap_dir: Path) -> list[Path]:
-    """Complete snapshot folders, newest step first (temp folders are never listed)."""
-    if not snap_dir.is_dir():
-        return []
-    found = []
-    for p in snap_dir.iterdir():
-        if p.is_dir() and p.name.startswith("step_"):
-            try:
-                found.append((int(p.name[5:]), p))
-            except ValueError:
-                continue
-    return [p for _, p in sorted(found, reverse=True)]
-
-
 @dataclass
 class LatestSnapshot:
     """Rank 0's verdict on the snapshots folder, broadcast to every rank: the newest valid
@@ -217,6 +151,7 @@ class SnapshotManager:
     # snapshot at most once per launch (the ones it wrote or find_latest checked: never).
     _verdicts: dict[str, str] = field(default_factory=dict)
     _reported: set[str] = field(default_factory=set)  # damaged ones already warned about
+    newest: Path | None = None  # the newest valid snapshot (resumed from or written): the resume point
 
     @property
     def snap_dir(self) -> Path:
@@ -243,48 +178,75 @@ class SnapshotManager:
     def save(self, step: int, state: dict, meta: SnapshotMeta) -> Path:
         """Collective: every rank calls it with its own shard of `state`; rank 0's `meta` is
         recorded. Tensors go to DCP; the rest (optimizer param groups), merged over the ranks
-        (pipeline stages hold different parameters), to meta.json. Returns the final folder."""
+        (pipeline stages hold different parameters), to meta.json. Returns the final folder.
+        A write the storage refuses on any rank (full, read-only, no permission, an I/O error)
+        raises the same StorageError on every rank: the temporary folder is removed, nothing is
+        pruned, and the newest valid snapshot stays as it was."""
         final = self.snap_dir / step_dir_name(step)
         tmp = self.snap_dir / f".tmp-{step_dir_name(step)}"
         tensors, rest = split_state(state)
-        if self.distributed:
-            everyone = [None] * dist.get_world_size() if self.rank == 0 else None
-            dist.gather_object(rest, everyone, dst=0)
-            if self.rank == 0:
-                for other in everyone[1:]:
-                    rest = _merge_ranks(rest, other)
+        record = {**meta.to_dict(), "format": FORMAT_VERSION, "step": step,
+                  "nontensor_state": self._merged_over_ranks(rest) or {}}
+        try:
+            self._on_rank0(lambda: self._prepare(tmp))
+            with _quiet_single_process():  # DCP gathers every rank's failure to every rank
+                dcp.save(tensors or {}, storage_writer=SnapshotWriter(tmp, step, self.rank),
+                         no_dist=not self.distributed)
+            fault_point("save", step, self.rank)
+            self._barrier()  # every rank's shards are on disk
+            self._on_rank0(lambda: self._commit(tmp, final, record))
+        except (OSError, CheckpointException) as e:
+            cause = os_error_in(e)
+            if cause is None:
+                raise
+            if self.rank == 0:  # its partial files would hold space a relaunch needs
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise StorageError(f"snapshot step {step}", self.snap_dir, cause, self.newest) from None
+        self.newest = final
         if self.rank == 0:
-            self.snap_dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        self._barrier()
-        with _quiet_single_process():
-            dcp.save(tensors or {}, checkpoint_id=str(tmp), no_dist=not self.distributed)
-        fault_point("save", step, self.rank)
-        self._barrier()  # every rank's shards are on disk
-        if self.rank == 0:
-            files = {}
-            for f in sorted(tmp.iterdir()):
-                if f.is_file():
-                    with open(f, "rb") as fh:
-                        os.fsync(fh.fileno())
-                    files[f.name] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
-            record = {**meta.to_dict(), "format": FORMAT_VERSION, "step": step,
-                      "nontensor_state": rest or {}, "files": files}
-            atomic_write_text(tmp / META, json.dumps(record, indent=1, ensure_ascii=False), durable=True)
-            fsync_dir(tmp)
-            if final.exists():  # the valid one resumed from, or a damaged one skipped on resume
-                if self._verdict(final) == "":
-                    shutil.rmtree(final)
-                else:
-                    self._move_aside(final)
-            os.rename(tmp, final)  # the commit point
-            fsync_dir(self.snap_dir)
-            self._verdicts[final.name] = ""
-            self._prune()
+            self._prune(final)
         self._barrier()
         return final
+
+    def _merged_over_ranks(self, rest):
+        """Rank 0: every rank's non-tensor state as one record (_merge_ranks); others: their own."""
+        if not self.distributed:
+            return rest
+        everyone = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(rest, everyone, dst=0)
+        if self.rank == 0:
+            for other in everyone[1:]:
+                rest = _merge_ranks(rest, other)
+        return rest
+
+    def _on_rank0(self, fn) -> None:
+        """fn() on rank 0, then its outcome on every rank: each raises the exception rank 0 met,
+        so no rank waits in a later collective for a rank that failed."""
+        failure = None
+        if self.rank == 0:
+            try:
+                fn()
+            except Exception as e:
+                failure = e
+        failure = self._broadcast(failure)
+        if failure is not None:
+            raise failure
+
+    def _prepare(self, tmp: Path) -> None:
+        """Rank 0: an empty temporary folder; a killed or failed save's leftovers go first (this
+        launch holds the run folder, so any temporary folder is stale) to make room."""
+        self.snap_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.snap_dir.glob(".tmp-*"):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+
+    def _commit(self, tmp: Path, final: Path, record: dict) -> None:
+        """Rank 0: meta.json, then the rename that makes `tmp` the snapshot `final`."""
+        write_record(tmp, record)
+        if final.exists() and self._verdict(final) != "":  # a damaged one skipped on resume
+            self._move_aside(final)
+        rename_into_place(tmp, final)  # the commit point
+        self._verdicts[final.name] = ""
 
     def _move_aside(self, path: Path) -> None:
         """snapshots/<name> -> snapshots/damaged/<name> (a numbered name if that is taken)."""
@@ -299,22 +261,25 @@ class SnapshotManager:
             target, n = aside / f"{path.name}.{n}", n + 1
         os.rename(path, target)
 
-    def _prune(self) -> None:
+    def _prune(self, final: Path) -> None:
         """Keep the `keep` newest VALID snapshots (the one just written is one, so the newest
         valid one is never deleted). Damaged ones are moved aside, not counted; the rest, older
-        than the kept ones, are deleted (unchecked: they go either way)."""
+        than the kept ones, are deleted (unchecked: they go either way). Runs only after a
+        commit; a storage error here is one warning, since `final` is complete."""
         kept = 0
-        for path in list_snapshots(self.snap_dir):
-            if self._verdicts.get(path.name):  # known damaged (skipped on resume)
-                self._move_aside(path)
-            elif kept >= self.keep:
-                shutil.rmtree(path, ignore_errors=True)
-            elif self._verdict(path) == "":
-                kept += 1
-            else:
-                self._move_aside(path)
-        for stale in self.snap_dir.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            for path in list_snapshots(self.snap_dir):
+                if self._verdicts.get(path.name):  # known damaged (skipped on resume)
+                    self._move_aside(path)
+                elif kept >= self.keep:
+                    shutil.rmtree(path, ignore_errors=True)
+                elif self._verdict(path) == "":
+                    kept += 1
+                else:
+                    self._move_aside(path)
+        except OSError as e:
+            warnings.warn(f"pruning {self.snap_dir} stopped ({error_words(e)}); snapshot {final} is "
+                          f"complete, older ones may stay until the next save", stacklevel=3)
 
     # ------------------------------------------------------------------ load
 
@@ -339,10 +304,32 @@ class SnapshotManager:
         latest = self._broadcast(latest)
         if latest.refusal:
             raise UsageError(latest.refusal)
-        return (Path(latest.path), latest.record) if latest.path else None
+        if not latest.path:
+            return None
+        self.newest = Path(latest.path)
+        return self.newest, latest.record
 
     def has_any(self) -> bool:
         return bool(list_snapshots(self.snap_dir))
+
+    def check_room(self) -> None:
+        """Collective, before training goes on from a snapshot: StorageError on every rank when
+        the snapshots folder cannot take one more of its size (read-only, not writable, or less
+        free space, counting the stale temporary folders the next save removes). A relaunch, or a
+        torchrun restart, onto a disk that is still full stops here in seconds instead of training
+        up to the save that fails again."""
+        problem = None
+        if self.rank == 0 and self.newest is not None:
+            try:
+                meta = json.loads((self.newest / META).read_text(encoding="utf-8"))
+                need = sum(rec["size"] for rec in meta["files"].values()) + (self.newest / META).stat().st_size
+                problem = room_problem(self.snap_dir, need, self.snap_dir.glob(".tmp-*"))
+            except OSError as e:  # the storage fails the check itself: every rank must hear it
+                problem = e, ""
+        problem = self._broadcast(problem)
+        if problem is not None:
+            error, detail = problem
+            raise StorageError("the next snapshot", self.snap_dir, error, self.newest, detail)
 
     @staticmethod
     def stored_keys(path: Path) -> set[str]:

@@ -6,6 +6,7 @@ share one), then `os.replace` swaps it in, so a reader sees the old file or the 
 of one. With `durable=True` the data is fsynced before the swap and the folder after it, so the new
 name survives a power loss too (snapshots' meta.json, model.pt, corpus records); caches and plots
 skip that cost. A failed write removes its temporary file and leaves the old file as it was.
+`append_whole` is the same rule for a file that grows by records (metrics.jsonl).
 """
 from __future__ import annotations
 
@@ -51,6 +52,20 @@ def atomic_write(path: Path, write: Callable[[Path], None], durable: bool = Fals
 
 def atomic_write_text(path: Path, text: str, durable: bool = False) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), durable=durable)
+
+
+def append_whole(path: Path, data: bytes) -> None:
+    """Append `data` to `path` whole or not at all: a write that fails midway (a full disk) is cut
+    off again, so the file never ends in half a record (a JSON line a reader would choke on)."""
+    with open(path, "ab", buffering=0) as f:
+        start, view = f.tell(), memoryview(data)
+        try:
+            while view:
+                view = view[f.write(view):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                f.truncate(start)
+            raise
 
 
 def sha256_file(path: Path) -> str:
