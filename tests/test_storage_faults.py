@@ -30,7 +30,7 @@ import export
 import main as app
 import snapshots.store as store
 import trainer as trainer_module
-from harness import REPO, TINY, child_env, torchrun
+from launch.local import REPO, TINY, child_env, torchrun
 from snapshots.store import list_snapshots, validate_snapshot
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
