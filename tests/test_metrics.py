@@ -156,7 +156,9 @@ def test_mfu_counts_every_device_the_layout_uses(monkeypatch):
         assert DataParallelStrategy(cfg, gpu).num_devices == expected
     assert DataParallelStrategy(cfg, DistEnv()).num_devices == 1  # on CPU nn.DataParallel is not used
     ddp = load_config(None, ["parallel.strategy=ddp", "trainer.batch_size=8"])
-    assert Strategy(ddp, DistEnv(world_size=4)).num_devices == 4  # one device per process
+    assert Strategy(ddp, DistEnv(world_size=4, device=torch.device("cuda", 0))).num_devices == 4  # a GPU per process
+    # on CPU, the process peaks the cores really give (test_mfu_counts_the_cpu_peaks_the_cores_really_give)
+    assert Strategy(ddp, DistEnv(world_size=4)).num_devices == perf.cpu_devices(4, 4)[0]
     assert perf.mfu(1e6, 1e3, 1e9, 4) == pytest.approx(0.25)
 
 
