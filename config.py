@@ -19,8 +19,8 @@ from typing import Callable
 
 import yaml
 
-from corpus.kinds import token_corpus_problems
-from observe.redact import REDACTED, has_redacted_credentials, redact_strings
+from corpus.kinds import data_problems
+from observe.redact import redact_strings
 from observe.wandb_limits import wandb_problems
 from parallel.options import PP_SCHEDULES, STRATEGY_NAMES
 from parallel.options import problems as parallel_problems
@@ -309,28 +309,8 @@ def _validate_data(d: DataConfig) -> None:
     _positive("data.truncate", d.truncate, allow_zero=True)
     if not 0.0 < d.val_fraction < 1.0:
         raise UsageError(f"data.val_fraction must be between 0 and 1, got {d.val_fraction}")
-    if not d.path:
-        raise UsageError("data.path is empty; give a text file or an http(s) URL")
-    if has_redacted_credentials(d.path):
-        raise UsageError(f"data.path='{d.path}' holds redacted credentials ({REDACTED}), e.g. copied "
-                         f"from a run's config.yaml; pass the real URL: data.path=...")
-    if d.sha256 and not (len(d.sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in d.sha256)):
-        raise UsageError(f"data.sha256='{d.sha256[:70]}' is not a sha256 (64 hex digits); fix it or "
-                         f"set it to '' to skip the check")
-    for problem in token_corpus_problems(d):
+    for problem in data_problems(d):
         raise UsageError(problem)
-    if not d.cache_dir:
-        raise UsageError("data.cache_dir is empty; point it at a folder for downloaded corpora")
-    if d.path.startswith(("http://", "https://")):  # the cache is only read for a URL
-        cache = Path(d.cache_dir).expanduser()
-        try:
-            not_a_folder = cache.exists() and not cache.is_dir()
-        except OSError as e:  # e.g. another user's ~/.cache: exists() itself is refused
-            raise UsageError(f"data.cache_dir='{d.cache_dir}' cannot be read ({e.strerror}); point it "
-                             f"at a folder this user can write") from None
-        if not_a_folder:
-            raise UsageError(f"data.cache_dir='{d.cache_dir}' is not a folder; point it at a folder for "
-                             f"downloaded corpora")
 
 
 def _validate_model(m: ModelConfig) -> None:

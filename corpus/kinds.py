@@ -1,9 +1,12 @@
-"""Which kind of corpus `data.path` names, decided from the path alone. Imports nothing of the
-project: config.py's validation reads it."""
+"""Which kind of corpus `data.path` names, decided from the path alone, and the rules of the `data`
+keys that name files (`data_problems`). Imports nothing of the project that imports config.py:
+config.py's validation reads it."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
+
+from observe.redact import REDACTED, has_redacted_credentials
 
 if TYPE_CHECKING:  # type names only: config.py imports this module
     from config import DataConfig
@@ -44,3 +47,29 @@ def token_corpus_problems(d: DataConfig) -> Iterator[str]:
         if d.val_fraction != type(d)().val_fraction:  # the default, without importing config at run time
             yield (f"data.val_fraction splits a text corpus; a token corpus's split is fixed by "
                    f"its files (prepare.py --val-fraction): remove data.val_fraction={d.val_fraction}")
+
+
+def data_problems(d: DataConfig) -> Iterator[str]:
+    """What is wrong with the keys that name the corpus and its cache, in the order a user meets them
+    (config.py raises the first)."""
+    if not d.path:
+        yield "data.path is empty; give a text file or an http(s) URL"
+        return
+    if has_redacted_credentials(d.path):
+        yield (f"data.path='{d.path}' holds redacted credentials ({REDACTED}), e.g. copied "
+               f"from a run's config.yaml; pass the real URL: data.path=...")
+    if d.sha256 and not (len(d.sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in d.sha256)):
+        yield (f"data.sha256='{d.sha256[:70]}' is not a sha256 (64 hex digits); fix it or "
+               f"set it to '' to skip the check")
+    yield from token_corpus_problems(d)
+    if not d.cache_dir:
+        yield "data.cache_dir is empty; point it at a folder for downloaded corpora"
+    elif d.path.startswith(("http://", "https://")):  # the cache is only read for a URL
+        cache = Path(d.cache_dir).expanduser()
+        try:
+            if cache.exists() and not cache.is_dir():
+                yield (f"data.cache_dir='{d.cache_dir}' is not a folder; point it at a folder for "
+                       f"downloaded corpora")
+        except OSError as e:  # e.g. another user's ~/.cache: exists() itself is refused
+            yield (f"data.cache_dir='{d.cache_dir}' cannot be read ({e.strerror}); point it "
+                   f"at a folder this user can write")
