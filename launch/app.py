@@ -32,7 +32,7 @@ from snapshots.pretrained import adopt_model_shape
 from storage.failures import os_error_in
 from trainer import Trainer, lr_at
 
-PLAN_ONLY_FLAGS = "--world-size, --device-memory, --plan-json and --explain"
+PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, --plan-json and --explain"
 
 
 def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
@@ -40,7 +40,8 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     runs several launches in one torchrun job (the tests' workers)."""
     cfg = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                       adopt=adopt_model_shape)
-    if args.world_size is not None or args.device_memory is not None or args.plan_json or args.explain:
+    if any(v is not None for v in (args.world_size, args.device_memory, args.reserve_memory, args.hardware)) \
+            or args.plan_json or args.explain:
         raise UsageError(f"{PLAN_ONLY_FLAGS} only apply with --plan; add --plan")
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
     env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
