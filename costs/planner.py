@@ -34,15 +34,8 @@ from costs.layout_plan import plan_layout
 from costs.records import Collective, LayoutPlan, Plan, PlannedLayout, RankMemory, StepTime
 from costs.render import render
 from costs.schedule import inflight_per_stage
-from costs.units import fmt_bytes, numel, parse_bytes
+from costs.units import default_reserve, fmt_bytes, numel, parse_bytes
 
 __all__ = ["Collective", "DataParallelChoice", "Hardware", "LayoutPlan", "Plan", "PlannedLayout", "RankMemory",
            "StepTime", "check_layout", "default_reserve", "fit_advice", "fmt_bytes", "gpt_config", "inflight_per_stage",
            "load_hardware", "numel", "parameter_inventory", "parse_bytes", "plan", "plan_layout", "render", "vocab_size"]
-
-RESERVE_CAP = 3 * 10**9  # CUDA context, NCCL buffers, allocator fragmentation: about 1-3 GB on a GPU
-
-
-def default_reserve(device_memory: int | None) -> int:
-    """Device memory kept for the runtime when none is given: a tenth, at most 3 GB."""
-    return 0 if device_memory is None else min(RESERVE_CAP, device_memory // 10)

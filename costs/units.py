@@ -17,6 +17,14 @@ def parse_bytes(text: str, what: str = "--device-memory") -> int:
     return size
 
 
+RESERVE_CAP = 3 * 10**9  # CUDA context, NCCL buffers, allocator fragmentation: about 1-3 GB on a GPU
+
+
+def default_reserve(device_memory: int | None) -> int:
+    """Device memory kept for the runtime when none is given: a tenth, at most 3 GB."""
+    return 0 if device_memory is None else min(RESERVE_CAP, device_memory // 10)
+
+
 def fmt_bytes(n: float) -> str:
     if n >= 10**9:
         return f"{n / 10**9:.2f} GB"
