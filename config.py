@@ -120,6 +120,8 @@ class ParallelConfig:
     microbatches: int = 0  # pipeline micro-batches per step (0 = per-rank batch / micro_batch_size, else pp)
     pp_split: str = ""  # comma-separated blocks per stage, e.g. "3,1" (empty = even split)
     pp_stages_per_rank: int = 1
+    device_memory: str = ""  # strategy=auto: bytes a rank may use, e.g. 40GB ("" = the GPU's memory; CPU: no limit)
+    auto_world_size: int = 0  # written by strategy=auto: the world size this layout was chosen for (0 = by hand)
 
 
 @dataclass

@@ -45,7 +45,7 @@ if __name__ == "__main__":  # torch loads for seconds: a Ctrl-C meanwhile is one
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from config import DEFAULT_CONFIG, UsageError, load_config
-from costs.planner import parse_bytes, plan, render
+from costs.planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
 from launch.app import run
 from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
 from snapshots.pretrained import adopt_model_shape
@@ -65,7 +65,14 @@ def parse_args(argv):
                            "every other layout on --world-size ranks, then exit")
     plan.add_argument("--world-size", type=int, default=None,
                       help="ranks to plan for (default: WORLD_SIZE under torchrun, else 1)")
-    plan.add_argument("--device-memory", default=None, help="flag layouts whose peak exceeds this, e.g. 80GB")
+    plan.add_argument("--device-memory", default=None,
+                      help="flag layouts whose peak exceeds this, e.g. 80GB, 80G (10^9 bytes) or 80GiB (2^30)")
+    plan.add_argument("--reserve-memory", default=None, metavar="SIZE",
+                      help="device memory kept for the runtime (CUDA context, NCCL, allocator): a layout fits in "
+                           "--device-memory minus this (default: a tenth of it, at most 3GB)")
+    plan.add_argument("--hardware", default=None, metavar="NAME|FILE",
+                      help="predict step times for this hardware: local (this machine, measured once), "
+                           "a100-80gb, h100-sxm (costs/hardware/*.yaml) or a YAML file (default: local)")
     plan.add_argument("--plan-json", default=None, metavar="PATH", help="also write the plan as JSON to PATH")
     plan.add_argument("--explain", action="store_true", help="with --plan: every formula and its source")
     ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
@@ -79,7 +86,16 @@ def print_plan(args) -> int:
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    result = plan(cfg, world, memory)
+    if args.reserve_memory is not None and memory is None:
+        raise UsageError("--reserve-memory applies with --device-memory; add --device-memory, e.g. 80GB")
+    reserve = default_reserve(memory) if args.reserve_memory is None else parse_bytes(args.reserve_memory, "--reserve-memory")
+    if memory is not None and reserve >= memory:
+        raise UsageError(f"--reserve-memory {args.reserve_memory} leaves nothing of --device-memory {args.device_memory}; "
+                         f"reserve less")
+    hardware = load_hardware(args.hardware or "local", cfg.trainer.precision)
+    result = plan(cfg, world, memory, hardware, reserve)
+    if memory is not None and result.layouts and not any(lp.fits for lp in result.layouts):
+        result.advice = fit_advice(cfg, world, memory, hardware, reserve)
     if args.plan_json:
         try:
             Path(args.plan_json).write_text(result.to_json(), encoding="utf-8")

@@ -1,6 +1,8 @@
 """Every layout of a world size: `plan(cfg, world_size, device_memory)` plans the configured
 layout first, then each alternative that the launch's own checks accept (config.validate,
-parallel.layout.Layout.of, via `check_layout`), sorted so that fitting layouts come first by peak.
+parallel.layout.Layout.of, via `check_layout`), fitting layouts first, fastest first (by peak
+without a hardware description); two choices that give the same layout (zero-3 and fsdp with its
+defaults) are one row naming both.
 
 An alternative is a `DataParallelChoice` (ddp, zero-1/2/3, fsdp with and without resharding
 after forward, HSDP with R replica groups) times every tp x pp that divides the world size.
@@ -15,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from config import Config, ParallelConfig, UsageError, validate
+from costs.hardware import Hardware
 from costs.inventory import gpt_config, parameter_inventory, vocab_size
 from costs.layout_plan import plan_layout
 from costs.records import LayoutPlan, Plan, PlannedLayout
@@ -85,6 +88,8 @@ def layout_config(cfg: Config, choice: DataParallelChoice, tp: int, pp: int) -> 
 def _apply_choice(p: ParallelConfig, choice: DataParallelChoice, configured: str) -> None:
     d, values = ParallelConfig(), choice.engine.config_values
     strategy = values["strategy"]
+    if configured == "auto":  # auto's own keys (tp, pp...) are the alternatives' to set
+        p.auto_world_size = d.auto_world_size
     if strategy != configured:
         for key, owners in STRATEGY_ONLY.items():
             if strategy not in owners:
@@ -123,26 +128,54 @@ def model_summary(cfg: Config, g: GPTConfig, vocab_source: str) -> dict:
             "global_batch": cfg.trainer.batch_size, "precision": cfg.trainer.precision}
 
 
-def plan(cfg: Config, world: int, device_memory: int | None = None) -> Plan:
-    """The configured layout (or why `world` ranks cannot run it), then every alternative."""
+def plan(cfg: Config, world: int, device_memory: int | None = None, hardware: Hardware | None = None,
+         reserve: int = 0) -> Plan:
+    """The configured layout (or why `world` ranks cannot run it), then every alternative; a
+    layout fits when its peak is at most device_memory - reserve."""
     vocab, vocab_source = vocab_size(cfg)
     g = gpt_config(cfg, vocab)
+    usable = None if device_memory is None else device_memory - reserve
     layouts: list[LayoutPlan] = []
     seen: list[PlannedLayout] = []
     configured_error = ""
-    try:
-        mine = check_layout(cfg, world)
-        layouts.append(plan_layout(cfg, g, mine, True, device_memory))
-        seen.append(mine)
-    except UsageError as e:
-        configured_error = str(e)
-    others, refused = _alternatives(cfg, g, world, device_memory, seen)
-    others.sort(key=lambda lp: (lp.fits is False, lp.memory.peak))
-    return Plan(world, device_memory, model_summary(cfg, g, vocab_source), configured_error, layouts + others, refused)
+    if cfg.parallel.strategy == "auto":
+        configured_error = "parallel.strategy=auto: the launch runs the first row that fits"
+    else:
+        try:
+            mine = check_layout(cfg, world)
+            layouts.append(plan_layout(cfg, g, mine, True, usable, hardware))
+            seen.append(mine)
+        except UsageError as e:
+            configured_error = str(e)
+    others, refused = _alternatives(cfg, g, world, usable, seen, hardware)
+    others = merge_aliases(layouts + others)[len(layouts):]
+    others.sort(key=rank_key)
+    return Plan(world, device_memory, model_summary(cfg, g, vocab_source), configured_error, layouts + others, refused,
+                reserve, f"{hardware.name}: {hardware.source}" if hardware else "")
+
+
+def rank_key(lp: LayoutPlan) -> tuple:
+    """Fitting layouts first; then the fastest (with a hardware description), then the smallest peak."""
+    return (lp.fits is False, lp.time.step_s if lp.time else 0.0, lp.memory.peak)
+
+
+def merge_aliases(plans: list[LayoutPlan]) -> list[LayoutPlan]:
+    """One row per distinct layout: a plan equal to an earlier one but for the engine's name
+    (zero-3 is FSDP2 with fsdp's defaults) becomes an alias of the earlier row."""
+    kept: list[LayoutPlan] = []
+    for lp in plans:
+        same = next((k for k in kept if k.layout.strategy is not lp.layout.strategy
+                     and dataclasses.replace(k.layout, strategy=lp.layout.strategy) == lp.layout
+                     and k.memory == lp.memory and k.collectives == lp.collectives), None)
+        if same is None:
+            kept.append(lp)
+        else:
+            same.aliases.append(lp.layout.strategy.value)
+    return kept
 
 
 def _alternatives(cfg: Config, g: GPTConfig, world: int, device_memory: int | None,
-                  seen: list[PlannedLayout]) -> tuple[list[LayoutPlan], dict[str, str]]:
+                  seen: list[PlannedLayout], hardware: Hardware | None) -> tuple[list[LayoutPlan], dict[str, str]]:
     """Every layout not in `seen` that the launch checks accept, and why each other one is refused."""
     others: list[LayoutPlan] = []
     refused: dict[str, str] = {}
@@ -159,5 +192,5 @@ def _alternatives(cfg: Config, g: GPTConfig, world: int, device_memory: int | No
                 if lay in seen:  # e.g. every strategy at dp = 1, or fsdp as configured
                     continue
                 seen.append(lay)
-                others.append(plan_layout(alt, g, lay, False, device_memory))
+                others.append(plan_layout(alt, g, lay, False, device_memory, hardware))
     return others, refused

@@ -93,10 +93,12 @@ class DDPCosts(EngineCosts):
     """ddp: replicated, 16a; gradients all-reduced once per step, 2K(n-1)/n.
     gradient_as_bucket_view=false keeps the buckets beside the gradients: +4a."""
     separate_buckets: bool = False
+    bucket_cap_bytes: float = 25 * 2**20
 
     @classmethod
     def of(cls, lay: PlannedLayout, p: ParallelConfig) -> DDPCosts:
-        return cls(lay.dp, lay.microbatches, separate_buckets=not p.gradient_as_bucket_view)
+        return cls(lay.dp, lay.microbatches, separate_buckets=not p.gradient_as_bucket_view,
+                   bucket_cap_bytes=p.bucket_cap_mb * 2**20)
 
     def buffers(self, held: RankTensors) -> tuple[int, list[str]]:
         if not self.separate_buckets or self.ranks == 1:
@@ -105,8 +107,10 @@ class DDPCosts(EngineCosts):
 
     def collectives(self, held: RankTensors) -> list[Collective]:
         k = held.elems * PARAM_BYTES
+        # the reducer all-reduces each bucket as soon as its gradients are ready, during backward
         return [Collective("all-reduce", "dp", "gradients, once per step (no_sync while accumulating)",
-                           k, ring_volume(2 * k, self.ranks), "2K(n-1)/n")]
+                           k, ring_volume(2 * k, self.ranks), "2K(n-1)/n",
+                           calls=max(1, ceil_div(k, int(self.bucket_cap_bytes))), overlaps=True)]
 
 
 @dataclass(frozen=True)
@@ -131,14 +135,15 @@ class Zero1Costs(EngineCosts):
         return ((self.gradient_copies * bucket + ceil_div(bucket, self.ranks)) * PARAM_BYTES,
                 ["largest ZeRO bucket: " + self.bucket_note])
 
-    def gradient_reduction(self, k: int) -> Collective:
+    def gradient_reduction(self, k: int, buckets: int) -> Collective:
         return Collective("reduce-scatter", "dp", "gradients, in the last micro-batch's backward",
-                          k, ring_volume(k, self.ranks), "K(n-1)/n")
+                          k, ring_volume(k, self.ranks), "K(n-1)/n", calls=buckets)
 
     def collectives(self, held: RankTensors) -> list[Collective]:
-        k = held.elems * PARAM_BYTES
-        return [self.gradient_reduction(k),
-                Collective("all-gather", "dp", "updated parameter slices", k, ring_volume(k, self.ranks), "K(n-1)/n")]
+        k, buckets = held.elems * PARAM_BYTES, zero_buckets(held, self.bucket_cap_bytes)
+        return [self.gradient_reduction(k, buckets),
+                Collective("all-gather", "dp", "updated parameter slices", k, ring_volume(k, self.ranks), "K(n-1)/n",
+                           calls=buckets)]
 
 
 @dataclass(frozen=True)
@@ -149,22 +154,30 @@ class Zero2Costs(Zero1Costs):
     gradient_copies: ClassVar[int] = 2
     bucket_note: ClassVar[str] = "its full gradients + packed copy + slice"
 
-    def gradient_reduction(self, k: int) -> Collective:
+    def gradient_reduction(self, k: int, buckets: int) -> Collective:
         m = self.microbatches
         return Collective("reduce-scatter", "dp", f"gradients on each of {m} micro-batch(es)",
-                          k * m, ring_volume(k * m, self.ranks), "m K(n-1)/n")
+                          k * m, ring_volume(k * m, self.ranks), "m K(n-1)/n", calls=buckets * m)
 
 
-def largest_zero_bucket(held: RankTensors, cap_bytes: float) -> int:
-    """Largest bucket of parallel/zero_shard.py in elements: decay (matrices) then no-decay tensors,
+def zero_bucket_sizes(held: RankTensors, cap_bytes: float) -> list[int]:
+    """Buckets of parallel/zero_shard.py in elements: decay (matrices) then no-decay tensors,
     reversed, a bucket closes once it reaches bucket_cap_mb."""
     order = [t for t in held if len(t.shape) >= 2] + [t for t in held if len(t.shape) < 2]
-    largest, size = 0, 0
+    sizes, size = [], 0
     for t in reversed(order):
         size += t.elems
         if size * PARAM_BYTES >= cap_bytes:
-            largest, size = max(largest, size), 0
-    return max(largest, size)
+            sizes, size = sizes + [size], 0
+    return sizes + [size] if size else sizes
+
+
+def largest_zero_bucket(held: RankTensors, cap_bytes: float) -> int:
+    return max(zero_bucket_sizes(held, cap_bytes), default=0)
+
+
+def zero_buckets(held: RankTensors, cap_bytes: float) -> int:
+    return max(1, len(zero_bucket_sizes(held, cap_bytes)))
 
 
 @dataclass(frozen=True)
@@ -232,7 +245,8 @@ class FullyShardCosts(EngineCosts):
             reps = self.replicas
             ar = ceil_div(held.elems, self.ranks) * self.reduce_bytes
             out.append(Collective("all-reduce", "dp_replicate", "gradient shards across the replica groups",
-                                  ar, round(2 * ar * (reps - 1) / reps), "2(K/s)(R-1)/R"))
+                                  ar, round(2 * ar * (reps - 1) / reps), "2(K/s)(R-1)/R",
+                                  calls=held.blocks + 1, overlaps=True))
         return out
 
     def _within_group(self, held: RankTensors) -> list[Collective]:
@@ -245,11 +259,14 @@ class FullyShardCosts(EngineCosts):
         ag = gathers * held.elems * self.gathered_bytes * self.microbatches
         upper = " (an upper bound under pp: stages stay gathered between backwards)" if self.pipelined else ""
         rs = held.elems * self.reduce_bytes
+        units = held.blocks + 1  # fully_shard per block + the root
+        # prefetched one unit ahead and reduced on FSDP2's own streams: both overlap compute
         return [Collective("all-gather", group, f"parameters, blocks and root: {gathers}x (forward"
                            f"{' + backward' if gathers == 2 else ''}) per micro-batch{upper}",
-                           ag, ring_volume(ag, self.ranks), f"m {gathers}K(s-1)/s"),
+                           ag, ring_volume(ag, self.ranks), f"m {gathers}K(s-1)/s",
+                           calls=units * gathers * self.microbatches, overlaps=True),
                 Collective("reduce-scatter", group, "gradients once per step", rs, ring_volume(rs, self.ranks),
-                           "K(s-1)/s")]
+                           "K(s-1)/s", calls=units, overlaps=True)]
 
 
 COSTS: dict[Engine, type[EngineCosts]] = {

@@ -11,23 +11,28 @@ from __future__ import annotations
 from config import Config
 from costs.activations import ActivationModel, activation_model, rank_activation_bytes, transient_bytes
 from costs.engines import EngineCosts, engine_costs
-from costs.inventory import RankTensors, held_tensors
+from costs.hardware import Hardware
+from costs.inventory import ADAM_STATE_BYTES, RankTensors, held_tensors
 from costs.records import Collective, LayoutPlan, PlannedLayout, RankMemory
 from costs.schedule import bubble_fraction, inflight_per_stage
+from costs.timing import compute_dtype, step_time
 from costs.traffic import pp_collectives, tp_collective
 from model import GPTConfig
+from parallel.options import Engine
 
 
 def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
-                device_memory: int | None) -> LayoutPlan:
+                device_memory: int | None, hardware: Hardware | None = None) -> LayoutPlan:
     """The prediction for `lay` (a `check_layout` result of `cfg`); `fits` is None without
-    a device memory."""
+    a device memory (the bytes a layout may use: the device's less the runtime's reserve),
+    `time` None without a hardware description."""
     engine = engine_costs(lay, cfg.parallel)
     am = activation_model(cfg, lay.strategy)
     inflight = inflight_per_stage(lay) if lay.pp > 1 else [{0: 1}]
     ranks: list[RankMemory] = []
     traffic: list[list[Collective]] = []
-    for r, held in enumerate(held_tensors(g, lay)):
+    helds = held_tensors(g, lay)
+    for r, held in enumerate(helds):
         ranks.append(rank_memory(g, lay, am, engine, r, held, inflight[r]))
         traffic.append(rank_collectives(g, lay, am, engine, held, sorted(inflight[r])))
     top = max(range(len(ranks)), key=lambda i: ranks[i].peak)
@@ -37,8 +42,13 @@ def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
         by_kind[c.kind] = by_kind.get(c.kind, 0) + c.moved_bytes
     total = sum(c.moved_bytes for cs in traffic for c in cs) * lay.dp * lay.tp
     fits = None if device_memory is None else ranks[top].peak <= device_memory
+    time = None
+    if hardware is not None:
+        mixed = cfg.parallel.mixed_precision if lay.strategy is Engine.FSDP else "none"
+        time = step_time(g, lay, helds, traffic, [r.optimizer // ADAM_STATE_BYTES for r in ranks], hardware,
+                         compute_dtype(cfg.trainer.precision, mixed), cfg.trainer.batch_size)
     return LayoutPlan(lay.name, configured, lay, ranks[top], ranks, traffic[busiest],
-                      by_kind, total, fits, bubble_fraction(lay))
+                      by_kind, total, fits, bubble_fraction(lay), time)
 
 
 def rank_memory(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: EngineCosts, pp_rank: int,

@@ -1,8 +1,9 @@
 """Predict what a parallel layout costs before any process is launched: `python main.py --plan`.
 
 The public names of the planner, for main.py, benchmarks/strategy_report.py and the tests:
-`plan(cfg, world_size, device_memory)` returns a `Plan`, one `LayoutPlan` per layout (the
-configured one first, then every alternative the launch's checks accept), each with the
+`plan(cfg, world_size, device_memory, hardware, reserve)` returns a `Plan`, one `LayoutPlan` per
+layout (the configured one first, then every alternative the launch's checks accept, fitting and
+fastest first), each with its predicted step time, tokens/s and MFU on `hardware`, and the
 predicted per-rank bytes of parameters, gradients, optimizer state, activations, transients and
 communication buffers, and the bytes each collective moves per optimizer step; `render` prints
 it, `Plan.to_json` writes it. Pure arithmetic on the config: no process group, no tensors.
@@ -16,19 +17,25 @@ Where each part lives (docs/planner.md has the formulas and their measurement):
     engines.py      each data-parallel engine's memory and traffic (the ZeRO paper's formulas)
     traffic.py      tensor- and pipeline-parallel traffic
     layout_plan.py  one layout: plan_layout
-    alternatives.py every layout of a world size: check_layout, plan
+    alternatives.py every layout of a world size: check_layout, plan (ranked by predicted time)
+    hardware.py     `--hardware NAME|FILE`: the devices, links and peaks a step time is predicted for
+    calibrate.py    `--hardware local`: this machine measured once (matmul, gloo all-reduce), cached
+    timing.py       one layout's step time: compute, recomputation, bubble, communication, optimizer
+    advice.py       nothing fits: which knobs make what fit
     render.py       the text table and its legend
 """
 from __future__ import annotations
 
+from costs.advice import fit_advice
 from costs.alternatives import DataParallelChoice, check_layout, plan
+from costs.hardware import Hardware, load_hardware
 from costs.inventory import gpt_config, parameter_inventory, vocab_size
 from costs.layout_plan import plan_layout
-from costs.records import Collective, LayoutPlan, Plan, PlannedLayout, RankMemory
+from costs.records import Collective, LayoutPlan, Plan, PlannedLayout, RankMemory, StepTime
 from costs.render import render
 from costs.schedule import inflight_per_stage
-from costs.units import fmt_bytes, numel, parse_bytes
+from costs.units import default_reserve, fmt_bytes, numel, parse_bytes
 
-__all__ = ["Collective", "DataParallelChoice", "LayoutPlan", "Plan", "PlannedLayout", "RankMemory", "check_layout",
-           "fmt_bytes", "gpt_config", "inflight_per_stage", "numel", "parameter_inventory", "parse_bytes", "plan",
-           "plan_layout", "render", "vocab_size"]
+__all__ = ["Collective", "DataParallelChoice", "Hardware", "LayoutPlan", "Plan", "PlannedLayout", "RankMemory",
+           "StepTime", "check_layout", "default_reserve", "fit_advice", "fmt_bytes", "gpt_config", "inflight_per_stage",
+           "load_hardware", "numel", "parameter_inventory", "parse_bytes", "plan", "plan_layout", "render", "vocab_size"]

@@ -69,6 +69,8 @@ class Collective:
     payload_bytes: int  # K: bytes handed to one call, summed over the calls of one step
     moved_bytes: int  # what one rank sends per step on a ring
     formula: str
+    calls: int = 1  # calls per optimizer step (each pays the link's latency per ring step)
+    overlaps: bool = False  # issued while compute goes on (costs/timing.py says which and why)
 
 
 @dataclass
@@ -89,6 +91,26 @@ class RankMemory:
 
 
 @dataclass
+class TimeTerm:
+    """One term of a predicted step time (costs/timing.py): its seconds, and the part of them the
+    step waits for (overlapped communication is hidden behind compute up to the compute's length)."""
+    name: str
+    seconds: float
+    exposed: float
+    formula: str
+
+
+@dataclass
+class StepTime:
+    """A layout's predicted optimizer step on one `Hardware` (costs/hardware.py)."""
+    hardware: str
+    step_s: float  # the sum of the terms' exposed seconds
+    tokens_per_s: float
+    mfu: float  # model FLOPs (6N + 12Lhs per token, no recomputation) / (peak x ranks)
+    terms: list[TimeTerm]
+
+
+@dataclass
 class LayoutPlan:
     name: str
     configured: bool
@@ -100,6 +122,8 @@ class LayoutPlan:
     moved_bytes_total: int  # all ranks together per optimizer step
     fits: bool | None  # None when no --device-memory was given
     bubble: float  # (p-1)/(m+p-1) for gpipe/1f1b; interleaved: (p-1)/(v*m+p-1)
+    time: StepTime | None = None  # None without a hardware description
+    aliases: list[str] = field(default_factory=list)  # other names of the same layout (zero-3 = fsdp)
 
 
 @dataclass
@@ -110,6 +134,9 @@ class Plan:
     configured_error: str  # why the configured layout cannot run on world_size ("" if it can)
     layouts: list[LayoutPlan]
     refused: dict[str, str]  # alternative layout -> the one-line reason it was left out
+    reserve: int = 0  # bytes of device memory kept for the runtime: a layout fits in device_memory - reserve
+    hardware: str = ""  # the Hardware's name and source the times are for ("" = no times)
+    advice: list[str] = field(default_factory=list)  # nothing fits: which knobs make what fit
 
     def to_json(self) -> str:
         record = dataclasses.asdict(self)

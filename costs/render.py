@@ -1,7 +1,11 @@
-"""The `--plan` table as text: one row per layout (the configured one marked *), the legend of
-formulas under it, or with --explain every formula and its source. The measurements that check
-the formulas are in docs/planner.md and docs/layouts.md, not here: they would go stale."""
+"""The `--plan` table as text: one row per layout (the configured one marked *; two engines that
+give the same layout on one row, 'zero-3=fsdp'), refusals grouped by reason when nothing runs,
+what makes a layout fit when none does, and the legend of formulas under it, or with --explain
+every formula, every refusal and each term of the first row's step time. The measurements that
+check the formulas are in docs/planner.md and docs/layouts.md, not here: they would go stale."""
 from __future__ import annotations
+
+import re
 
 from costs.records import LayoutPlan, Plan
 from costs.units import fmt_bytes
@@ -14,6 +18,9 @@ per rank, the fullest rank (GB = 10^9 bytes); a = parameters held, n = dp ranks,
        per block fp32 16bsh x 4 B + 16bs + 4b(heads)s (Korthikanti et al. 2022's 34sbh + 5as^2b, adapted to SDPA: --explain)
   moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n each: ddp and zero-1/2 2K(n-1)/n;
        zero-3/fsdp all-gather every unit twice (forward, backward) + reduce-scatter = 3K(n-1)/n (no-reshard: gathered once, 2K(n-1)/n)
+  step: slowest rank's 3 x forward FLOPs (+1 forward with checkpointing) / (efficiency x peak) + bubble + communication
+       not hidden (latency per ring step + bytes / link bandwidth; DDP buckets and FSDP2 overlap compute, tp and pp do not)
+       + AdamW's 32 B per element / memory bandwidth; MFU = (6N + 12Lhs) x tokens/s / (peak x ranks): docs/planner.md#step-time
   measured against these: docs/planner.md (every layout, benchmarks/strategy_report.py), docs/layouts.md#bytes-on-the-wire"""
 
 EXPLAIN = """\
@@ -43,46 +50,100 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
     embedding's all-reduce, the head input's gradient, loss_parallel's 3 bs reductions; pp: activations forward and gradients backward, E per stage
     boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
   bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, 0 for zero-bubble (weight passes fill it)
+  step: slowest rank's 3 x forward FLOPs (+1 forward with checkpointing) / (efficiency x peak) + bubble + communication
+       not hidden (latency per ring step + bytes / link bandwidth; DDP buckets and FSDP2 overlap compute, tp and pp do not)
+       + AdamW's 32 B per element / memory bandwidth; MFU = (6N + 12Lhs) x tokens/s / (peak x ranks): docs/planner.md#step-time
   measured against these: docs/planner.md (every layout, benchmarks/strategy_report.py), docs/layouts.md#bytes-on-the-wire"""
 
 
 HEADER = ["", "layout", "mb x M", "params", "grads", "Adam", "act (x in flight)", "buf+tmp", "peak", "fits",
-          "all-reduce", "red-scatter", "all-gather", "p2p", "tp", "bubble"]
+          "all-reduce", "red-scatter", "all-gather", "p2p", "tp", "bubble", "step", "tokens/s", "MFU"]
 MOVED_COLUMNS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")  # Collective.kind
+REFUSALS_SHOWN = 6
 
 
 def render(pl: Plan, explain: bool = False) -> str:
     lines = [_model_line(pl)]
     if pl.configured_error:
         lines.append(f"configured layout refused on {pl.world_size} ranks: {pl.configured_error}")
-    lines += _table(HEADER, [_row(lp) for lp in pl.layouts])
-    if not pl.layouts:  # say why, without the JSON: the distinct reasons
-        for reason in sorted(set(pl.refused.values()))[:5]:
-            lines.append(f"refused: {reason}")
-    lines.append(f"* configured layout; {len(pl.layouts)} layouts shown, {len(pl.refused)} refused "
+    if pl.layouts:
+        lines += _table(HEADER, [_row(lp) for lp in pl.layouts])
+    else:
+        lines.append(f"no layout runs on {pl.world_size} ranks; the reasons, the one that blocks the most layouts first:")
+    if not pl.layouts or explain:
+        lines += refusal_groups(pl.refused)
+    lines += pl.advice
+    order = "fitting layouts first, fastest first" if pl.hardware else "fitting layouts first, smallest peak first"
+    lines.append(f"* configured layout; {len(pl.layouts)} layouts shown ({order}), {len(pl.refused)} refused "
                  f"(--plan-json lists why); buf+tmp: communication buffers and transients (logits at the loss, a recomputed block); "
                  f"bytes moved per rank per optimizer step, busiest rank")
+    if explain and pl.layouts:
+        lines += explain_time(pl.layouts[0])
     lines.append(EXPLAIN if explain else LEGEND)
     return "\n".join(lines)
 
 
+def refusal_groups(refused: dict[str, str]) -> list[str]:
+    """Refusals grouped by reason (numbers aside: 'not divisible by the 6 data-parallel ranks' and
+    'by the 12' are one reason), the reason that refuses the most layouts first."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for label, reason in refused.items():
+        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((label, reason))
+    ranked = sorted(groups.values(), key=len, reverse=True)
+    lines = [f"  refused {len(g)} x: {g[0][1]} (e.g. {', '.join(label for label, _ in g[:3])})"
+             for g in ranked[:REFUSALS_SHOWN]]
+    if len(ranked) > REFUSALS_SHOWN:
+        lines.append(f"  ... and {len(ranked) - REFUSALS_SHOWN} more reasons (--plan-json lists every one)")
+    return lines
+
+
+def explain_time(lp: LayoutPlan) -> list[str]:
+    """Each term of the first row's predicted step time (costs/timing.py)."""
+    t = lp.time
+    if t is None:
+        return []
+    lines = [f"step time of {display_name(lp)} on {t.hardware}: {t.step_s * 1e3:.4g} ms = the exposed seconds below"]
+    for term in t.terms:
+        hidden = f" ({term.seconds * 1e3:.4g} ms, the rest hidden behind compute)" if term.exposed < term.seconds else ""
+        lines.append(f"  {term.name:<44} {term.exposed * 1e3:>10.4g} ms{hidden}: {term.formula}")
+    return lines
+
+
+def display_name(lp: LayoutPlan) -> str:
+    """The layout's name; one row for two engines that give the same layout: 'zero-3=fsdp dp8'."""
+    if not lp.aliases:
+        return lp.name
+    head, _, rest = lp.name.partition(" ")
+    return f"{'='.join([head, *lp.aliases])} {rest}".strip()
+
+
 def _model_line(pl: Plan) -> str:
     m = pl.model
+    memory = ""
+    if pl.device_memory:
+        memory = f" | device memory {fmt_bytes(pl.device_memory)}" + \
+            (f" - {fmt_bytes(pl.reserve)} runtime reserve" if pl.reserve else "")
     return (f"model: {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, block {m['block_size']}, "
             f"vocab {m['vocab_size']} ({m['vocab_source']}), {m['parameters']:,} parameters | "
-            f"global batch {m['global_batch']}, {m['precision']} | world {pl.world_size}"
-            + (f" | device memory {fmt_bytes(pl.device_memory)}" if pl.device_memory else ""))
+            f"global batch {m['global_batch']}, {m['precision']} | world {pl.world_size}" + memory
+            + (f"\nhardware: {pl.hardware}" if pl.hardware else ""))
 
 
 def _row(lp: LayoutPlan) -> list[str]:
-    mem, mv = lp.memory, lp.moved_bytes_per_rank
+    mem, mv, t = lp.memory, lp.moved_bytes_per_rank, lp.time
     fits = "-" if lp.fits is None else ("yes" if lp.fits else "NO")
-    return ["*" if lp.configured else "", lp.name, f"{lp.layout.micro_batch_size} x {lp.layout.microbatches}",
+    return ["*" if lp.configured else "", display_name(lp), f"{lp.layout.micro_batch_size} x {lp.layout.microbatches}",
             fmt_bytes(mem.params), fmt_bytes(mem.grads), fmt_bytes(mem.optimizer),
             f"{fmt_bytes(mem.activations)} (x{mem.inflight_microbatches:g})", fmt_bytes(mem.buffers + mem.transient),
             fmt_bytes(mem.peak), fits,
             *(fmt_bytes(mv[k]) if mv.get(k) else "-" for k in MOVED_COLUMNS),
-            f"{lp.bubble:.2f}" if lp.layout.pp > 1 else "-"]
+            f"{lp.bubble:.2f}" if lp.layout.pp > 1 else "-",
+            fmt_seconds(t.step_s) if t else "-", f"{t.tokens_per_s:,.0f}" if t else "-",
+            f"{t.mfu:.1%}" if t else "-"]
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -51,7 +51,8 @@ def tp_collective(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: R
     payload = ((ar + ag_rs) * act + small) * m + ln_grads
     moved = round((((2 * ar + ag_rs) * act + 2 * small) * m + 2 * ln_grads) * (tp - 1) / tp)
     return Collective("tp", "tp", what, payload, moved,
-                      "m bsh e (t-1)/t x (12L, or 8L with sequence parallel, + ends) + LayerNorm grads")
+                      "m bsh e (t-1)/t x (12L, or 8L with sequence parallel, + ends) + LayerNorm grads",
+                      calls=(ar + ag_rs + (3 if small else 0)) * m + (1 if ln_grads else 0))
 
 
 def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages: list[int]) -> list[Collective]:
@@ -63,7 +64,7 @@ def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages
     where = lay.stage_placement
     sends = sum((s < last and where[s + 1] != where[s]) + (s > 0 and where[s - 1] != where[s]) for s in stages)
     out = [Collective("send-recv", "pp", "activations forward and their gradients backward, per micro-batch",
-                      sends * e * m, sends * e * m, "m x (b s h e) per stage boundary")]
+                      sends * e * m, sends * e * m, "m x (b s h e) per stage boundary", calls=sends * m)]
     if g.tie_weights and (0 in stages) != (last in stages):
         vloc = ceil_div(g.vocab_size, tp if lay.tp_vocab_parallel else 1)
         kt = vloc * g.n_embd * PARAM_BYTES

@@ -1,23 +1,28 @@
-"""Sizes as the planner reads and prints them: `--device-memory` text -> bytes (`parse_bytes`),
-bytes -> a short decimal string (`fmt_bytes`, GB = 10^9), and the element arithmetic every
+"""Sizes as the planner reads and prints them: `--device-memory` text -> bytes (`parse_bytes`:
+40G, 40GB and 40 GB are decimal, 40GiB binary: parallel.options.memory_size), bytes -> a short
+decimal string (`fmt_bytes`, GB = 10^9), and the element arithmetic every
 module shares (`numel` of a shape, `ceil_div` for the first, longest shard of torch.chunk)."""
 from __future__ import annotations
 
-import re
-
 from config import UsageError
-
-UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from parallel.options import memory_size
 
 
-def parse_bytes(text: str) -> int:
-    """'80GB', '80 GiB', '512MB', '80' (GB) -> bytes; UsageError otherwise."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text or "")
-    unit = (m.group(2) or "gb").lower() if m else ""
-    if not m or unit not in UNITS or float(m.group(1)) <= 0:
-        raise UsageError(f"--device-memory '{text}' is not a memory size; write e.g. 80GB, 80GiB or 512MB")
-    return int(float(m.group(1)) * UNITS[unit])
+def parse_bytes(text: str, what: str = "--device-memory") -> int:
+    """'80GB', '80G', '80 GB' (10^9), '80GiB' (2^30), '512MB', '80' (GB) -> bytes; UsageError otherwise."""
+    size = memory_size(text)
+    if size is None:
+        raise UsageError(f"{what} '{text}' is not a memory size; write e.g. 80GB or 80G (10^9 bytes), "
+                         f"80GiB (2^30) or 512MB")
+    return size
+
+
+RESERVE_CAP = 3 * 10**9  # CUDA context, NCCL buffers, allocator fragmentation: about 1-3 GB on a GPU
+
+
+def default_reserve(device_memory: int | None) -> int:
+    """Device memory kept for the runtime when none is given: a tenth, at most 3 GB."""
+    return 0 if device_memory is None else min(RESERVE_CAP, device_memory // 10)
 
 
 def fmt_bytes(n: float) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from config import Config, UsageError, dump_yaml, load_config
 from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
+from costs.auto import choose_layout
 from launch.build import build_trainer, fallback_corpus
 from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
@@ -32,7 +33,7 @@ from snapshots.pretrained import adopt_model_shape
 from storage.failures import os_error_in
 from trainer import Trainer, lr_at
 
-PLAN_ONLY_FLAGS = "--world-size, --device-memory, --plan-json and --explain"
+PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, --plan-json and --explain"
 
 
 def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
@@ -40,10 +41,14 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     runs several launches in one torchrun job (the tests' workers)."""
     cfg = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                       adopt=adopt_model_shape)
-    if args.world_size is not None or args.device_memory is not None or args.plan_json or args.explain:
+    if any(v is not None for v in (args.world_size, args.device_memory, args.reserve_memory, args.hardware)) \
+            or args.plan_json or args.explain:
         raise UsageError(f"{PLAN_ONLY_FLAGS} only apply with --plan; add --plan")
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
     env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
+    auto_lines: list[str] = []
+    if cfg.parallel.strategy == "auto":  # the planner picks the layout: before anything is built
+        cfg, auto_lines = choose_layout(cfg, env)
     lock, trainer, summary = None, None, None
     try:
         corpus = fallback_corpus(cfg, env)  # may move run_dir: before the lock
@@ -52,7 +57,7 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
         trainer = build_trainer(cfg, env, run_dir, corpus=corpus)
         if not _resume(trainer, cfg, env, run_dir):
             return 0
-        _start(args, cfg, env, trainer, run_dir)
+        _start(args, cfg, env, trainer, run_dir, auto_lines)
         summary = train_until_stopped(trainer)
         if summary.stopped:
             trainer.close_tracker()
@@ -96,8 +101,10 @@ def _resume(trainer: Trainer, cfg: Config, env: DistEnv, run_dir: Path) -> bool:
     return True
 
 
-def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer, run_dir: Path) -> None:
-    """Every check has passed: from here on this launch writes into the run folder."""
+def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer, run_dir: Path,
+           auto_lines: list[str]) -> None:
+    """Every check has passed: from here on this launch writes into the run folder. `auto_lines`:
+    what parallel.strategy=auto chose (and the runner-up), printed after the start-up view."""
     if env.rank == 0:
         save_tokenizer(trainer.tokenizer, run_dir / TOKENIZER_FILE)
     trainer.open_tracker()  # on the one rank that holds the reduced loss
@@ -106,6 +113,8 @@ def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer
         if args.print_config:
             print(dump_yaml(cfg), end="", flush=True)
         print(startup_view(args, cfg, env, trainer), flush=True)
+        for line in auto_lines:
+            print(line, flush=True)
         if trainer.schedule_note:  # a resume whose LR schedule changed: says how, after the view
             print(trainer.schedule_note, flush=True)
         for note in schedule_notes(cfg, trainer.max_steps):

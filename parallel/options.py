@@ -12,13 +12,32 @@ This module imports nothing of the project at run time, so config.py can use it.
 """
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:  # type names only: config.py imports this module
     from config import Config, ModelConfig, ParallelConfig, TrainerConfig
 
-STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp")  # the values of parallel.strategy
+# the values of parallel.strategy; auto: the planner picks the fastest layout that fits at launch
+STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp", "auto")
+AUTO_CHOOSES = ("tp", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank", "activation_checkpointing")
+# Memory sizes as people write them: a unit without "i" is decimal (SI: GB = G = 10^9 bytes, as
+# Kubernetes reads "G" and disk makers print "GB"), one with "i" binary (GiB = Gi = 2^30); case
+# does not matter; a bare number is GB. 40G = 40GB = 40 GB = 40e9 bytes, 40GiB = 42.9e9 bytes.
+MEMORY_UNITS = {"": 10**9, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def memory_size(text: str) -> int | None:
+    """'40G', '40GB', '40 GB', '40GiB', '512MB', '80' (GB) -> bytes; None if it is not a size."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGTkmgt]?[iI]?)([bB]?)\s*", str(text or ""))
+    if not m:
+        return None
+    unit = m.group(2).lower() if m.group(2) else ("b" if m.group(3) else "")
+    if unit not in MEMORY_UNITS or float(m.group(1)) <= 0:
+        return None
+    return int(float(m.group(1)) * MEMORY_UNITS[unit])
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
@@ -67,7 +86,23 @@ def problems(cfg: Config, world_size: int | None = None) -> Iterator[str]:
         yield (f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
                f"attention heads are split across tensor-parallel ranks")
     yield from _option_problems(p)
+    yield from _auto_problems(p)
     yield from _model_split_problems(m, cfg.trainer, p)
+
+
+def _auto_problems(p: ParallelConfig) -> Iterator[str]:
+    defaults = type(p)()
+    if p.device_memory and memory_size(p.device_memory) is None:
+        yield (f"parallel.device_memory='{p.device_memory}' is not a memory size; write e.g. 40GB or 40G "
+               f"(10^9 bytes), 40GiB (2^30), or '' for no limit")
+    if p.auto_world_size < 0:
+        yield f"parallel.auto_world_size must be >= 0, got {p.auto_world_size}"
+    if p.strategy != "auto":
+        return
+    for key in AUTO_CHOOSES:
+        if getattr(p, key) != getattr(defaults, key):
+            yield (f"parallel.{key} is chosen by parallel.strategy=auto; remove it, or name a strategy "
+                   f"(python main.py --plan shows the candidates)")
 
 
 # Options that only mean something for some strategies: setting them elsewhere is a mistake the

@@ -198,10 +198,16 @@ def test_plan_cli_gpt2_xl_on_512_ranks(tmp_path, capsys):
     header = next(i for i, line in enumerate(lines) if "layout" in line and "peak" in line)
     end = next(i for i, line in enumerate(lines) if line.startswith("* configured layout"))
     rows = lines[header + 1:end]
-    assert [r.split("  ")[1].strip() for r in rows] == [lp["layout"]["name"] for lp in layouts]
+    assert [r.split("  ")[1].strip() for r in rows] == [_display(lp) for lp in layouts]
     assert "NO" in rows[0] and "Korthikanti" in text
-    fitting = [lp["memory"]["peak"] for lp in layouts[1:] if lp["fits"]]
-    assert fitting == sorted(fitting)  # configured first, then fitting layouts by peak
+    fitting = [lp["time"]["step_s"] for lp in layouts[1:] if lp["fits"]]
+    assert fitting == sorted(fitting)  # configured first, then fitting layouts by predicted step time
+
+
+def _display(lp: dict) -> str:
+    """A row's name: two engines giving one layout share it ('zero-3=fsdp dp8')."""
+    head, _, rest = lp["layout"]["name"].partition(" ")
+    return f"{'='.join([head, *lp['aliases']])} {rest}".strip()
 
 
 @pytest.mark.parametrize("argv, message", [

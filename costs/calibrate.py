@@ -1,0 +1,145 @@
+"""`--hardware local`: this machine's figures, measured once and cached per machine.
+
+- peak FLOP/s: the best matmul rate of one process in the training's dtype (observe/perf.py's CPU
+  peak, cached in its own file);
+- the link: a gloo all-reduce between 2 local processes (started here, holding the machine-wide
+  multi-process lock of launch/local.py): a 4-byte all-reduce gives the latency per ring step
+  (2 ranks: 2 steps), an 8 MB one the bandwidth (2 ranks: each sends K);
+- memory bandwidth: the best copy of a 64 MB tensor (the optimizer step streams model state);
+- block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
+  remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads).
+
+The last three are cached in `local-hardware.json` beside the CPU peak cache
+(observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
+version. `spawn=False` (a launch under torchrun, whose cores are busy and which holds the lock)
+never starts processes: without a cache it uses the UNCALIBRATED figures below and says so.
+Every local link is one class: there is no second node to measure, so inter_node = intra_node.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from launch.local import child_env, multiprocess_lock
+from model import Block, GPTConfig
+from observe.perf import cpu_peak, machine_fingerprint, peak_cache_path
+from storage.files import atomic_write_text
+
+UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3}
+SMALL, LARGE = 1, 2 * 2**20  # float32 elements of the latency and the bandwidth all-reduce
+
+
+def cache_path() -> Path:
+    return peak_cache_path().with_name("local-hardware.json")
+
+
+def local_figures(precision: str, spawn: bool = True) -> dict:
+    """This machine as a hardware description (costs/hardware.py's YAML keys)."""
+    threads = torch.get_num_threads()
+    per_node = max(1, len(os.sched_getaffinity(0)) // threads)
+    key = machine_fingerprint("local hardware")
+    path = cache_path()
+    cached = _read(path).get(key)
+    how = f"cached in {path}"
+    if not isinstance(cached, dict) or set(cached) != set(UNCALIBRATED):
+        if spawn:
+            cached, how = measure_local(), f"measured, cached in {path}"
+            _store(path, key, cached)
+        else:
+            cached, how = dict(UNCALIBRATED), "UNCALIBRATED defaults: run `python main.py --plan` once to measure"
+    peak = cpu_peak(precision)[0]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link = {"bandwidth": cached["bandwidth"], "latency": cached["latency"]}
+    return {"name": "local", "source": f"this machine ({how})", "devices_per_node": per_node,
+            "memory": f"{ram // per_node}B", "peak_flops": {precision: peak, "fp32": cpu_peak("fp32")[0]},
+            "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
+            "compute_efficiency": 1.0, "block_overhead": cached["block_overhead"]}
+
+
+def _read(path: Path) -> dict:
+    """The cached figures; a missing or damaged file reads as none (measured again)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _store(path: Path, key: str, figures: dict) -> None:
+    data = _read(path)
+    data[key] = figures
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError:  # a cache only: the next plan measures again
+        pass
+
+
+def measure_local() -> dict:
+    return {**measure_link(), "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": measure_block_overhead()}
+
+
+def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of the best copy (read + write) of a 64 MB fp32 tensor."""
+    a = torch.ones(elems)
+    b = torch.empty_like(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(repeats))
+    return 2 * a.numel() * a.element_size() / best
+
+
+def measure_block_overhead(repeats: int = 20) -> float:
+    """Seconds of forward + backward of a GPT block of 32 wide on 16 positions (tens of kFLOPs)."""
+    block = Block(GPTConfig(block_size=16, n_embd=32, n_head=4))
+    x = torch.randn(1, 16, 32, requires_grad=True)
+
+    def step():
+        block(x).sum().backward()
+    step()
+    return min(_timed(step) for _ in range(repeats))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure_link(timeout_s: float = 120) -> dict:
+    """Latency per ring step and bandwidth of a gloo all-reduce between 2 local processes."""
+    with tempfile.TemporaryDirectory() as tmp, multiprocess_lock():
+        procs = [subprocess.Popen([sys.executable, "-m", "costs.calibrate", str(r), str(Path(tmp) / "store")],
+                                  env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=timeout_s) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the gloo calibration failed: {outs[0][1].strip()[-300:] or outs[1][1].strip()[-300:]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def _link_child(rank: int, store_path: str) -> None:
+    """One of the 2 calibration processes: the median time of small all-reduces (2 ring steps on 2
+    ranks: latency = t / 2) and the best of large ones (each rank sends K: bandwidth = K / (t - 2 latency))."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    small, large = torch.ones(SMALL), torch.ones(LARGE)
+    for _ in range(20):
+        dist.all_reduce(small)
+    times = sorted(_timed(lambda: dist.all_reduce(small)) for _ in range(200))
+    latency = times[len(times) // 2] / 2
+    dist.all_reduce(large)
+    best = min(_timed(lambda: dist.all_reduce(large)) for _ in range(8))
+    k = large.numel() * large.element_size()
+    if rank == 0:
+        print(json.dumps({"latency": latency, "bandwidth": k / max(best - 2 * latency, 1e-9)}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _link_child(int(sys.argv[1]), sys.argv[2])

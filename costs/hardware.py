@@ -1,0 +1,103 @@
+"""The hardware a step time is predicted for: `--hardware NAME|FILE`.
+
+A `Hardware` is one node's per-device figures: peak FLOP/s per dtype, memory, memory bandwidth,
+the two link classes a collective can run on (inside a node: NVLink; across nodes: the network,
+per device) with a latency per ring step and a bandwidth in one direction, the devices per node,
+and the fraction of the peak the model's forward and backward reach. Shipped descriptions are
+YAML files in costs/hardware/ (each figure beside the URL it comes from); `local` is this
+machine, measured once and cached (costs/calibrate.py). A name that is neither, or a file that
+is not a complete description, is one line and exit 2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from config import UsageError
+from costs.calibrate import local_figures
+from costs.units import parse_bytes
+
+HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s one device sends in one direction
+    latency: float  # seconds per ring step (alpha of the alpha-beta model)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    source: str  # the file, or how `local` was measured
+    devices_per_node: int  # ranks per node (CPU: one single-threaded process per core)
+    memory: int  # bytes per device
+    peak_flops: dict[str, float]  # dense FLOP/s per device, per trainer.precision dtype
+    memory_bandwidth: float  # bytes/s (the optimizer step streams the model state through it)
+    intra_node: Link
+    inter_node: Link
+    compute_efficiency: float  # fraction of the peak the model's forward/backward reach
+    block_overhead: float = 0.0  # seconds per block per micro-batch (forward + backward) of fixed cost
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
+
+
+def shipped_names() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def load_hardware(spec: str, precision: str = "fp32", calibrate: bool = True) -> Hardware:
+    """`local` (this machine: costs/calibrate.py; `calibrate`=False never starts processes), a
+    shipped name (costs/hardware/NAME.yaml) or a YAML file; UsageError otherwise."""
+    if spec == "local":
+        return hardware_of(local_figures(precision, spawn=calibrate), "local")
+    path = HARDWARE_DIR / f"{spec}.yaml" if spec in shipped_names() else Path(spec).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--hardware '{spec}' is neither local, a shipped description "
+                         f"({', '.join(shipped_names())}) nor a file; give one of those or a YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UsageError(f"--hardware file '{spec}' cannot be read as YAML ({type(e).__name__}); "
+                         f"fix it (costs/hardware/*.yaml shows the format)") from None
+    return hardware_of(raw, str(path))
+
+
+def _number(raw: dict, key: str, where: str) -> float:
+    try:
+        value = float(raw[key])
+    except (KeyError, TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"--hardware file '{where}' needs {key}: a positive number "
+                         f"(got {raw.get(key) if isinstance(raw, dict) else raw!r}); costs/hardware/*.yaml shows the format")
+    return value
+
+
+def hardware_of(raw, where: str) -> Hardware:
+    """A Hardware from a parsed YAML description; UsageError naming the first bad key."""
+    if not isinstance(raw, dict):
+        raise UsageError(f"--hardware file '{where}' must be a mapping of keys; costs/hardware/*.yaml shows the format")
+    peaks = raw.get("peak_flops")
+    if not isinstance(peaks, dict) or "fp32" not in peaks:
+        raise UsageError(f"--hardware file '{where}' needs peak_flops with at least fp32 (and bf16, fp16): "
+                         f"FLOP/s per device")
+    links = {}
+    for key in ("intra_node", "inter_node"):
+        link = raw.get(key)
+        if not isinstance(link, dict):
+            raise UsageError(f"--hardware file '{where}' needs {key}: {{bandwidth: bytes/s, latency: seconds}}")
+        links[key] = Link(_number(link, "bandwidth", where), _number(link, "latency", where))
+    efficiency = _number(raw, "compute_efficiency", where)
+    if efficiency > 1:
+        raise UsageError(f"--hardware file '{where}': compute_efficiency {efficiency} is a fraction of the peak; give <= 1")
+    return Hardware(str(raw.get("name") or Path(where).stem), str(raw.get("source") or where), int(_number(raw, "devices_per_node", where)),
+                    parse_bytes(str(raw.get("memory")), f"--hardware file '{where}' memory"),
+                    {k: _number(peaks, k, where) for k in DTYPES if k in peaks},
+                    _number(raw, "memory_bandwidth", where), links["intra_node"], links["inter_node"],
+                    efficiency, float(raw.get("block_overhead", 0.0) or 0.0))

@@ -1,0 +1,156 @@
+"""A layout's predicted optimizer step time on a `Hardware` (costs/hardware.py): `step_time`.
+
+Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
+
+    compute   = T x 3 F / (peak x efficiency) + overhead x blocks x M      forward + backward (2x forward)
+    recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
+    F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
+    bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, 0 zero-bubble
+    optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
+    collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
+
+A group's link class follows the mesh order of parallel/layout.py, ("pp", "dp", "tp") with tp
+innermost: global rank = (pp x dp + dp_rank) x tp + tp_rank, so a group of n ranks at stride st
+spans n x st consecutive ranks, and stays inside a node when that span divides the devices per
+node (or the whole world fits in one node). tp (stride 1) is placed first inside a node, dp next,
+pp last; HSDP's shard groups inside its replica groups.
+
+What overlaps with compute, and why:
+- DDP's bucket all-reduces: launched asynchronously by the reducer as each bucket's gradients are
+  ready, during the last micro-batch's backward; FSDP2's all-gathers (prefetched one unit ahead, in
+  forward and backward) and its reduce-scatters (and HSDP's all-reduce) run on their own stream
+  while the next unit computes. Hidden up to the compute they overlap (the last micro-batch's
+  backward for DDP, the whole step for FSDP2); one call's worth is always exposed (the first
+  gather, the last bucket).
+- Not overlapped: tensor parallelism's all-reduces / all-gathers (the next operator needs their
+  result), pipeline sends and receives (a stage waits for its input; torch's schedules wait on them
+  before the next action), ZeRO-1/2's reduce-scatter (this project's engine issues it synchronously
+  in the backward hook: parallel/zero_shard.py) and its all-gather of updated slices (after the
+  optimizer step, nothing left to overlap), the tied embedding's all-reduce (after backward).
+The step is the slowest pipeline rank's compute + the bubble + the largest exposed
+communication and optimizer time of any rank. tokens/s = batch_size x block_size / step; MFU
+counts model FLOPs only (6N + 12 L h s per token, no recomputation) over every rank's peak.
+"""
+from __future__ import annotations
+
+from costs.hardware import Hardware, Link
+from costs.inventory import RankTensors
+from costs.records import Collective, PlannedLayout, StepTime, TimeTerm
+from costs.schedule import bubble_fraction
+from costs.units import ceil_div
+from model import GPTConfig
+
+OPTIMIZER_BYTES = 32  # AdamW per element: read p, g, m, v (16) and write p, m, v (12), + the clip norm's read
+
+
+def compute_dtype(precision: str, fsdp_mixed: str) -> str:
+    """The dtype the matmuls run in: autocast's, else FSDP2 mixed_precision's parameter dtype, else fp32."""
+    return precision if precision != "fp32" else (fsdp_mixed if fsdp_mixed != "none" else "fp32")
+
+
+def forward_flops_per_token(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool) -> tuple[float, float]:
+    """(all of this rank's forward FLOPs per token, those of its blocks): 2 per matmul weight element,
+    4 s h / t per block of attention scores and values (PaLM's 12 L h s per token is 3x this),
+    the LM head 2 V h (V / t with a vocabulary-parallel head)."""
+    weights = sum(t.elems for t in held if t.spec.where == "block" and len(t.shape) == 2)
+    blocks = 2 * weights + held.blocks * 4 * g.block_size * g.n_embd / lay.tp
+    head = 2 * ceil_div(g.vocab_size, lay.tp if lay.tp_vocab_parallel else 1) * g.n_embd if last else 0
+    return blocks + head, blocks
+
+
+def model_flops_per_token(g: GPTConfig) -> float:
+    """model.GPT.flops_per_token without building the model: 6N + 12 L h s (N: matmul weights,
+    the position embedding and an untied input embedding are lookups)."""
+    h, layers = g.n_embd, g.n_layer
+    block = 12 * h * h + (13 * h if g.bias else 2 * h)  # q k v out fc proj (+ 9h of biases) + 2 LayerNorms
+    n = layers * block + g.vocab_size * h + (2 * h if g.bias else h)
+    return 6 * n + 12 * layers * h * g.block_size
+
+
+def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link, str]:
+    """(ranks in the group, the link it runs on, its name) by where parallel/layout.py puts it."""
+    size, stride = {"dp": (lay.dp, lay.tp), "dp_shard": (lay.dp_shard, lay.tp),
+                    "dp_replicate": (lay.dp_replicate, lay.dp_shard * lay.tp), "tp": (lay.tp, 1),
+                    "pp": (2, lay.dp * lay.tp), "tied": (2, lay.dp * lay.tp * max(1, lay.pp - 1))}[group]
+    world, per_node = lay.dp * lay.tp * lay.pp, hw.devices_per_node
+    span = size * stride
+    inside = world <= per_node or (span <= per_node and per_node % span == 0)
+    return size, (hw.intra_node if inside else hw.inter_node), ("intra-node" if inside else "inter-node")
+
+
+def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple[float, str]:
+    """alpha-beta: each call pays a latency per ring step (all-reduce 2(n-1), reduce-scatter and
+    all-gather n-1, a send 1), the bytes sent pay the bandwidth."""
+    n, link, where = group_link(lay, c.group, hw)
+    if c.kind == "send-recv":
+        steps = 1
+    elif c.kind == "all-reduce" or (c.kind == "tp" and not lay.sequence_parallel):
+        steps = 2 * (n - 1)
+    else:
+        steps = n - 1
+    return c.calls * steps * link.latency + c.moved_bytes / link.bandwidth, where
+
+
+def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool, hw: Hardware,
+                 dtype: str) -> tuple[float, float]:
+    """(forward + backward seconds, recomputation seconds) of one pp rank's step."""
+    tokens = lay.micro_batch_size * lay.microbatches * g.block_size
+    rate = hw.peak(dtype) * hw.compute_efficiency
+    fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
+    overhead = hw.block_overhead * held.blocks * lay.microbatches
+    compute = tokens * 3 * fwd / rate + overhead
+    recompute = tokens * fwd_blocks / rate + overhead / 3 if lay.activation_checkpointing else 0.0
+    return compute, recompute
+
+
+def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic: list[list[Collective]],
+              optimizer_elems: list[int], hw: Hardware, dtype: str, batch_size: int) -> StepTime:
+    """The predicted step (the module's doc): slowest compute + bubble + worst exposed rest."""
+    last = lay.num_stages - 1
+    compute = [rank_compute(g, lay, h, lay.pp == 1 or last in lay.stages_of(r), hw, dtype)
+               for r, h in enumerate(held)]
+    slow = max(range(len(compute)), key=lambda r: sum(compute[r]))
+    work = sum(compute[slow])
+    b = bubble_fraction(lay)
+    rests = [_rank_rest(lay, traffic[r], optimizer_elems[r], compute[r], hw) for r in range(len(held))]
+    rest = max(rests, key=lambda terms: sum(t.exposed for t in terms))
+    terms = [TimeTerm("compute", compute[slow][0], compute[slow][0],
+                      f"{_flops_note(g, lay, held[slow])} at {hw.compute_efficiency:g} x {hw.peak(dtype) / 1e12:.4g} "
+                      f"TFLOP/s ({dtype}) + {hw.block_overhead * 1e3:.3g} ms x blocks x M")]
+    if lay.activation_checkpointing:
+        terms.append(TimeTerm("recompute", compute[slow][1], compute[slow][1], "one more forward of every block"))
+    if b:
+        terms.append(TimeTerm("bubble", work * b / (1 - b), work * b / (1 - b),
+                              f"compute x b/(1-b), b = {b:.3f} ({lay.pp_schedule})"))
+    terms += rest
+    step = sum(t.exposed for t in terms)
+    tokens = batch_size * g.block_size / step
+    world = lay.dp * lay.tp * lay.pp
+    mfu = model_flops_per_token(g) * tokens / (hw.peak(dtype) * world)
+    return StepTime(hw.name, step, tokens, mfu, terms)
+
+
+def _flops_note(g: GPTConfig, lay: PlannedLayout, held: RankTensors) -> str:
+    return f"3 x forward FLOPs of {held.blocks} block(s) x {lay.micro_batch_size * lay.microbatches * g.block_size} tokens"
+
+
+def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, compute: tuple[float, float],
+               hw: Hardware) -> list[TimeTerm]:
+    """One rank's communication terms (overlapped ones hidden up to the compute they run beside)
+    and its optimizer step."""
+    terms = []
+    window = sum(compute)  # compute that overlapped collectives share: each uses up what it hides
+    for c in traffic:
+        seconds, where = collective_seconds(c, lay, hw)
+        exposed = seconds
+        if c.overlaps:  # DDP's window is the last micro-batch's backward; FSDP2's the whole step
+            fsdp = c.kind == "all-gather" or lay.strategy.value in ("fsdp", "zero-3")
+            beside = window if fsdp else min(window, sum(compute) * 2 / 3 / lay.microbatches)
+            exposed = max(seconds - beside, seconds / max(1, c.calls))
+            window -= seconds - exposed
+        terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if c.overlaps else ''})", seconds,
+                              exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B / bandwidth"))
+    terms.append(TimeTerm("optimizer", opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
+                          opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
+                          f"{OPTIMIZER_BYTES} B x {opt_elems:,} stepped elements / memory bandwidth"))
+    return terms

@@ -1,0 +1,39 @@
+"""parallel.strategy=auto: the planner picks the layout at launch (costs/auto.py).
+
+Under torchrun at 2 ranks the launch trains with the fastest predicted layout that fits, prints
+the choice and the runner-up after the start-up view, and config.yaml records the resolved
+layout with the world size it was chosen for; a resume on the same world size keeps it. Bad
+values of the keys are one line and exit 2.
+"""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+import main as app
+from launch.local import TINY, torchrun
+
+
+def test_auto_trains_under_torchrun_and_a_resume_keeps_the_choice(tmp_path):
+    run = tmp_path / "run"
+    args = ["main.py", *TINY, f"trainer.run_dir={run}", "parallel.strategy=auto", "trainer.sample_tokens=0"]
+    first = torchrun(2, [*args, "trainer.max_steps=4"], timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "auto: chose " in first.stdout and "auto: runner-up " in first.stdout
+    chosen = yaml.safe_load((run / "config.yaml").read_text())["parallel"]
+    assert chosen["strategy"] != "auto" and chosen["auto_world_size"] == 2
+    assert chosen["strategy"] in first.stdout.split("auto: chose ")[1].split("\n")[0] or chosen["tp"] * chosen["pp"] == 2
+    again = torchrun(2, [*args, "trainer.max_steps=6"], timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "auto: keeps the layout chosen for 2 ranks" in again.stdout and "resumed from" in again.stdout
+    assert yaml.safe_load((run / "config.yaml").read_text())["parallel"] == chosen
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.device_memory=40XB"], "parallel.device_memory='40XB' is not a memory size"),
+    (["parallel.strategy=auto", "parallel.tp=2"], "parallel.tp is chosen by parallel.strategy=auto"),
+])
+def test_auto_bad_values_one_line_exit_2(tmp_path, capsys, overrides, message):
+    assert app.main([*TINY, f"trainer.run_dir={tmp_path}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1

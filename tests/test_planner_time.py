@@ -1,0 +1,129 @@
+"""The planner's step time (costs/timing.py, costs/hardware.py) and a plan a user can act on.
+
+- step time on the shipped GPU descriptions: each term where the model puts it (tp inside a node,
+  dp across nodes; FSDP2's gathers hidden behind compute, tp's all-reduces not; the bubble of
+  1f1b = compute x b / (1 - b)); the layouts ranked by it;
+- `--hardware`: a bad name or file is one line and exit 2; `local` is measured once and cached;
+- the plan: the usual memory spellings, one row for zero-3 and fsdp, the runtime reserve, refusals
+  grouped with the one that blocks every layout first, and what makes a layout fit when none does.
+"""
+from __future__ import annotations
+
+import pytest
+
+import main as app
+from config import load_config
+from costs import planner
+from costs.hardware import load_hardware
+from costs.timing import group_link
+from launch.local import TINY
+
+XL = ["data.tokenizer=gpt2", "model.n_layer=48", "model.n_head=25", "model.n_embd=1600",
+      "model.block_size=1024", "trainer.batch_size=512", "trainer.precision=bf16"]
+
+
+def _plan_layout(tmp_path, world, *overrides, hardware="h100-sxm"):
+    cfg = load_config(None, XL + [f"trainer.run_dir={tmp_path}", *overrides])
+    g = planner.gpt_config(cfg, 50257)
+    return planner.plan_layout(cfg, g, planner.check_layout(cfg, world), True, None, load_hardware(hardware))
+
+
+def test_step_time_terms_on_gpu_nodes(tmp_path):
+    hw = load_hardware("h100-sxm")
+    # 64 ranks = 8 nodes of 8: tp 8 fills a node, so dp (stride 8) runs across nodes
+    lp = _plan_layout(tmp_path, 64, "parallel.strategy=fsdp", "parallel.tp=8", "model.n_head=16")
+    assert group_link(lp.layout, "tp", hw)[2] == "intra-node" and group_link(lp.layout, "dp", hw)[2] == "inter-node"
+    terms = {t.name.split(" (")[0]: t for t in lp.time.terms}
+    assert terms["tp tp"].exposed == terms["tp tp"].seconds > 0  # the next operator waits for it
+    gather = terms["all-gather dp"]
+    assert gather.exposed < gather.seconds  # FSDP2 prefetches it while the previous unit computes
+    assert lp.time.step_s == pytest.approx(sum(t.exposed for t in lp.time.terms))
+    assert 0 < lp.time.mfu < hw.compute_efficiency
+    # 1f1b: (p-1)/(m+p-1) idle, compute x b/(1-b) seconds
+    pp = _plan_layout(tmp_path, 16, "parallel.strategy=fsdp", "parallel.pp=4", "trainer.micro_batch_size=8")
+    terms = {t.name: t for t in pp.time.terms}
+    b = pp.bubble
+    assert b == pytest.approx(3 / (16 + 3)) and terms["bubble"].exposed == pytest.approx(
+        terms["compute"].seconds * b / (1 - b))
+    # recomputation: one more forward of the blocks, a third of their forward + backward
+    ac = _plan_layout(tmp_path, 16, "parallel.strategy=fsdp", "parallel.activation_checkpointing=true")
+    terms = {t.name: t for t in ac.time.terms}
+    assert terms["recompute"].seconds == pytest.approx(terms["compute"].seconds / 3, rel=0.05)
+
+
+def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
+    assert app.main(["--plan", "--world-size", "16", "--hardware", "a100-80gb", "--explain", *XL,
+                     f"trainer.run_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "hardware: a100-80gb" in out and "tokens/s" in out
+    assert "step time of" in out and "compute" in out and "hidden behind compute" in out
+    result = planner.plan(load_config(None, XL + [f"trainer.run_dir={tmp_path}"]), 16, None,
+                          load_hardware("a100-80gb"))
+    times = [lp.time.step_s for lp in result.layouts[1:]]
+    assert times == sorted(times)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("tpu-v9", "--hardware 'tpu-v9' is neither local, a shipped description (a100-80gb, h100-sxm"),
+    ("FILE", "needs intra_node"),
+])
+def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ndevices_per_node: 8\nmemory: 80GB\npeak_flops: {fp32: 1.0e+12}\n")
+    assert app.main(["--plan", "--hardware", str(bad) if spec == "FILE" else spec]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINGPT_PEAK_CACHE", str(tmp_path / "peak-flops.json"))
+    first = load_hardware("local")
+    second = load_hardware("local")
+    assert "measured" in first.source and "cached" in second.source
+    assert first.intra_node == second.intra_node and first.intra_node.bandwidth > 0
+    assert 0 < first.intra_node.latency < 0.1 and first.peak("fp32") > 0
+
+
+@pytest.mark.parametrize("text, size", [("40G", 40 * 10**9), ("40GB", 40 * 10**9), ("40 GB", 40 * 10**9),
+                                        ("40gb", 40 * 10**9), ("40GiB", 40 * 2**30), ("40Gi", 40 * 2**30),
+                                        ("512MB", 512 * 10**6), ("40", 40 * 10**9)])
+def test_memory_spellings(text, size):
+    assert planner.parse_bytes(text) == size
+
+
+def test_zero3_and_fsdp_are_one_row(tmp_path):
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "parallel.strategy=fsdp"])
+    result = planner.plan(cfg, 4)
+    names = [planner.render(result).splitlines()]
+    mine = result.layouts[0]
+    assert mine.configured and mine.aliases == ["zero-3"]
+    assert not any(lp.layout.strategy.value == "zero-3" and lp.layout.tp == 1 and lp.layout.pp == 1
+                   for lp in result.layouts)
+    assert any("fsdp=zero-3 dp4" in line for line in names[0])
+
+
+def test_reserve_and_advice_when_nothing_fits(tmp_path, capsys):
+    """16 GPUs of 40 GB, GPT-2 XL, batch 512: nothing fits as configured; the plan names the knobs."""
+    args = ["--plan", "--world-size", "16", "--device-memory", "40 GB", "--hardware", "a100-80gb", *XL,
+            f"trainer.run_dir={tmp_path}"]
+    assert app.main(args) == 0
+    out = capsys.readouterr().out
+    assert "40.00 GB - 3.00 GB runtime reserve" in out
+    assert "nothing fits; what would" in out
+    advice = [line for line in out.splitlines() if line.startswith("  trainer.micro_batch_size=4:")
+              or line.startswith("  parallel.activation_checkpointing=true:")]
+    assert len(advice) == 2 and all("layouts fit, e.g." in line and " GB, step " in line for line in advice)
+    # a layout whose peak is within the reserve of the device memory does not fit
+    cfg = load_config(None, XL + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=1"])
+    peak = planner.plan(cfg, 16).layouts[0].memory.peak
+    assert planner.plan(cfg, 16, peak + 10**9, reserve=2 * 10**9).layouts[0].fits is False
+    assert planner.plan(cfg, 16, peak + 10**9, reserve=0).layouts[0].fits is True
+
+
+def test_refusals_grouped_blocker_of_every_layout_first(tmp_path, capsys):
+    assert app.main(["--plan", "--world-size", "12", "--hardware", "a100-80gb", *TINY,
+                     f"trainer.run_dir={tmp_path}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("no layout runs on 12 ranks"))
+    assert "trainer.batch_size=8 is not divisible by the" in lines[at + 1]
+    assert "docs/planner.md" in lines[-1] and "%" not in lines[-1]  # the footer points at the docs
