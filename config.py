@@ -80,6 +80,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     sample_tokens: int = 200  # length of the text sample written at the end (0 = none)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = measure on CPU / table on GPU)
+    hang_timeout_s: float = 300.0  # no step finished for this long: name the stuck rank, exit 4 (0 = off)
 
 
 @dataclass
@@ -336,7 +337,7 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _positive("trainer.micro_batch_size", t.micro_batch_size, allow_zero=True)
     for k in ("eval_batches", "log_every", "keep_snapshots"):
         _positive(f"trainer.{k}", getattr(t, k))
-    for k in ("eval_every", "save_every", "sample_tokens", "grad_clip", "peak_flops"):
+    for k in ("eval_every", "save_every", "sample_tokens", "grad_clip", "peak_flops", "hang_timeout_s"):
         _positive(f"trainer.{k}", getattr(t, k), allow_zero=True)
     _choice("trainer.resume", t.resume, ("auto", "never", "require"))
     _choice("trainer.precision", t.precision, PRECISIONS)

@@ -31,6 +31,7 @@ from config import Config, UsageError
 from launch.faults import poison_if_asked
 from launch.stop_vote import StopVote
 from launch.stopping import StopRequest
+from launch.watchdog import HangWatchdog
 from model import ModelCost
 from observe.health import FiniteCheck
 from observe.perf import Peak, set_fp32_matmul_mode
@@ -105,6 +106,9 @@ class Trainer:
         self.schedule_note: str | None = None  # set by resume() when the LR schedule runs differently
         self._snapshot_decay: int | None = None  # the cosine length the resumed snapshot was trained with
         self.finite = FiniteCheck(strategy)
+        env = strategy.env  # launch/app.py runs train() inside self.watchdog.watching(step)
+        self.watchdog = HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,
+                                     env.distributed, run_dir)
 
     def _tracker_peak_label(self) -> str:
         """The peak is looked up on the tracker rank only (it may measure); every rank learns its label."""
@@ -322,7 +326,8 @@ class Trainer:
 
     def _save_checked(self) -> Path:
         self.finite.check(self.step, self.last_snapshot, params=True)  # never snapshot a diverged state: it would become the resume point
-        return self.save_snapshot()
+        with self.watchdog.phase("snapshot"):
+            return self.save_snapshot()
 
     def train(self) -> RunSummary:
         """The step loop. When `self.stop_request` records a signal, every rank stops after the same
@@ -338,6 +343,7 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             loss, norm = self.train_step()
             poison_if_asked(self.step, s.env.rank, next(s.unwrapped()[0].parameters()))
+            self.watchdog.beat(self.step)
             self.finite.note_loss(loss, self.step)
             window.add(self._step_seconds(t0))  # train step only: eval/save excluded
             last = self.step == self.max_steps
@@ -347,7 +353,8 @@ class Trainer:
                 tokens_per_sec = row["tokens_per_sec"]
                 progress.update(self.step, row)
             if self._is_eval_step(self.step):
-                self.last_val_loss = row["val_loss"] = self.evaluate()
+                with self.watchdog.phase("evaluation"):
+                    self.last_val_loss = row["val_loss"] = self.evaluate()
                 progress.message(f"step {self.step}: val loss {self.last_val_loss:.4f}")
             if row:
                 self.tracker.log(self.step, row)

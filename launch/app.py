@@ -16,6 +16,8 @@ import threading
 import warnings
 from pathlib import Path
 
+import torch.distributed as dist
+
 from config import Config, UsageError, dump_yaml, load_config
 from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
 from costs.auto import choose_layout
@@ -30,7 +32,8 @@ from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
 from snapshots.model_file import MODEL_FILE
 from snapshots.pretrained import adopt_model_shape
-from storage.failures import os_error_in
+from storage.failures import StorageError, os_error_in
+from storage.files import atomic_write_text
 from trainer import Trainer, lr_at
 
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, --plan-json and --explain"
@@ -105,11 +108,9 @@ def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer
            auto_lines: list[str]) -> None:
     """Every check has passed: from here on this launch writes into the run folder. `auto_lines`:
     what parallel.strategy=auto chose (and the runner-up), printed after the start-up view."""
-    if env.rank == 0:
-        save_tokenizer(trainer.tokenizer, run_dir / TOKENIZER_FILE)
+    write_start_files(trainer, cfg, env, run_dir)
     trainer.open_tracker()  # on the one rank that holds the reduced loss
     if env.rank == 0:
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
         if args.print_config:
             print(dump_yaml(cfg), end="", flush=True)
         print(startup_view(args, cfg, env, trainer), flush=True)
@@ -121,6 +122,25 @@ def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer
             print(note, flush=True)
         if env.device.type == "cpu" and (crowded := cpu_devices(env.world_size, local_world_size(env.world_size))[1]):
             warnings.warn(crowded, stacklevel=1)
+
+
+def write_start_files(trainer: Trainer, cfg: Config, env: DistEnv, run_dir: Path) -> None:
+    """Collective. Rank 0 writes tokenizer.json and config.yaml (each whole or not at all); a write
+    the storage refuses (a disk full before the first snapshot) stops every rank with the storage
+    line and exit 3, as a refused snapshot does."""
+    refused = None
+    if env.rank == 0:
+        try:
+            save_tokenizer(trainer.tokenizer, run_dir / TOKENIZER_FILE)
+            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+        except OSError as e:
+            refused = e
+    if env.distributed:
+        box = [refused]
+        dist.broadcast_object_list(box, src=0)
+        refused = box[0]
+    if refused is not None:
+        raise StorageError("the run's first files (tokenizer.json, config.yaml)", run_dir, refused, trainer.last_snapshot)
 
 
 def schedule_notes(cfg: Config, max_steps: int) -> list[str]:
@@ -164,10 +184,12 @@ def train_until_stopped(trainer: Trainer) -> RunSummary:
     a Ctrl-C reaches a torchrun worker twice (the terminal's, the agent's), and the stop prints one
     line."""
     if threading.current_thread() is not threading.main_thread():  # Python allows handlers only there
-        return trainer.train()
+        with trainer.watchdog.watching(trainer.step):
+            return trainer.train()
     previous = {sig: signal.signal(sig, trainer.stop_request) for sig in STOP_SIGNALS}
     try:
-        return trainer.train()
+        with trainer.watchdog.watching(trainer.step):
+            return trainer.train()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_IGN if trainer.stop_request.signum else handler)

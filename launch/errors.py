@@ -76,9 +76,18 @@ class OneLineErrors(ErrorHandler):
             return None
         if int(os.environ.get("RANK", "0")) != 0:
             time.sleep(RANK0_FIRST_S)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"message": {"message": line, "extraInfo": {
-                "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+        write_error_file(line)
+
+
+def write_error_file(line: str) -> None:
+    """`line` as torchrun's failure summary shows it for this worker (TORCHELASTIC_ERROR_FILE;
+    nothing outside torchrun)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
 
 
 def reject_dashed_overrides(argv: list[str]) -> None:

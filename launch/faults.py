@@ -4,7 +4,9 @@ STEP may be '*'. Faults fire on the first launch attempt only, so a group that t
 can finish. The places that ask for a fault are the WHEREs: `save` (snapshots/store.py, right
 after a rank wrote its shards of snapshot STEP, the folder still temporary; for `eio`, inside
 that rank's write of them, snapshots/writer.py) and `update` (trainer.py, right after the
-optimizer step of STEP). Actions: `kill` SIGKILLs that rank; `term` sends it a real SIGTERM; `nan`
+optimizer step of STEP). Actions: `kill` SIGKILLs that rank; `term` sends it a real SIGTERM; `stop`
+sends it a real SIGSTOP (alive, frozen: a stuck driver); `block` blocks its training thread on a
+lock forever, outside any collective (a deadlock; its other threads run on); `nan`
 (at update) makes RANK's first weight NaN (only that rank's copy or shard), as a diverged run
 would; `eio` (at save) makes every write of RANK's snapshot files raise OSError(EIO) from the file
 object DCP writes into, as a failing disk or a lost network mount would (this machine cannot cause
@@ -16,6 +18,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -44,7 +47,20 @@ def fault_point(where: str, step: int, rank: int) -> str | None:
     elif action == "term":
         print(f"[fault] rank {rank} sends itself SIGTERM at {where} of step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
+    elif action == "stop":
+        print(f"[fault] rank {rank} sends itself SIGSTOP at {where} of step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "block":
+        print(f"[fault] rank {rank} blocks on a lock at {where} of step {step}", file=sys.stderr, flush=True)
+        block_forever()
     return action
+
+
+def block_forever() -> None:
+    """A deadlock: the second acquire of a plain lock never returns (and releases the GIL)."""
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()
 
 
 @torch.no_grad()

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from config import Config, UsageError
 
+FLIGHT_RECORDER_ENTRIES = 2000  # the newest collectives each rank keeps (a few steps of FSDP's)
+
 
 def restart_count() -> int:
     """How many times torchrun's agent has restarted this worker group (TORCHELASTIC_RESTART_COUNT;
@@ -75,6 +77,8 @@ def init_distributed(cfg: Config, timeout_s: float | None = None, config_file: s
     # On CUDA, CPU tensors get gloo in the same group: FSDP2's CPU offload keeps the sharded gradients
     # on the CPU and the gradient norm all-reduces them; NCCL alone refuses CPU tensors (pytorch#148532).
     group_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+    if cfg.trainer.hang_timeout_s:  # the hang watchdog reads the flight recorder (launch/watchdog.py)
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     if not dist.is_initialized():
         dist.init_process_group(backend=group_backend, timeout=timeout, store=_rendezvous_store(rank, world, timeout),
                                 rank=rank, world_size=world,
@@ -104,10 +108,28 @@ def _rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dis
                               multi_tenant=True)
     single_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1
     if agent_store and single_node:
-        return dist.PrefixStore(f"mingpt/attempt{restart_count()}", store)
+        return dist.PrefixStore(store_namespace(), store)
     if rank == 0 and (advice := shared_store_advice(os.environ)):
         warnings.warn(advice, stacklevel=2)
     return store
+
+
+def store_namespace() -> str:
+    """The key prefix of this launch attempt in the rendezvous store (see _rendezvous_store)."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    single_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1
+    return f"mingpt/attempt{restart_count()}" if agent_store and single_node else "mingpt"
+
+
+def side_store(name: str, timeout_s: float) -> dist.Store:
+    """A client connection of its own to the rendezvous store, keys under `name` in this attempt's
+    namespace, for a thread that must reach the other ranks while the training thread may be
+    blocked (the hang watchdog): a connection shared with the process group could be held by a
+    blocked call. Raises (RuntimeError, OSError) when the store does not answer."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                           wait_for_workers=False)
+    return dist.PrefixStore(f"{store_namespace()}/{name}", client)
 
 
 def shared_store_advice(environ) -> str | None:

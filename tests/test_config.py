@@ -150,6 +150,7 @@ BAD_INPUTS = {
     "sample_tokens": (["trainer.sample_tokens=-1"], "trainer.sample_tokens must be >= 0"),
     "grad_clip": (["trainer.grad_clip=-1"], "trainer.grad_clip must be >= 0"),
     "peak_flops": (["trainer.peak_flops=-1"], "trainer.peak_flops must be >= 0"),
+    "hang_timeout_s": (["trainer.hang_timeout_s=-5"], "trainer.hang_timeout_s must be >= 0"),
     "resume": (["trainer.resume=maybe"], "not one of auto, never, require"),
     "precision": (["trainer.precision=fp8"], "not one of fp32, bf16, fp16"),
     "device": (["trainer.device=tpu"], "not one of auto, cpu, cuda"),

@@ -111,20 +111,26 @@ def hold_lock(path: Path, seconds: float) -> subprocess.Popen:
 def test_a_torchrun_restart_waits_for_a_lock_that_outlives_its_holder(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    holder = hold_lock(run / runlock.LOCK_FILE, 4)
+    holder = hold_lock(run / runlock.LOCK_FILE, 120)
     try:
         # a first launch never waits: a folder in use is another job's
         t0 = time.monotonic()
         assert app.main(RUN + ["trainer.max_steps=1", f"trainer.run_dir={run}"]) == 2
         assert "is in use by another launch" in one_error_line(capsys.readouterr().err)
         assert time.monotonic() - t0 < 3
-        # a restart (what torchrun sets for a restarted worker) waits, says so once, then trains
-        r = subprocess.run([sys.executable, "main.py", *RUN, "trainer.max_steps=1", f"trainer.run_dir={run}"],
-                           cwd=REPO, env=child_env(TORCHELASTIC_RESTART_COUNT=1), capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert r.stderr.count("waiting up to 150 s for the lock") == 1, r.stderr[-3000:]
-        assert (run / "snapshots" / "step_0000001").is_dir() and holder.wait(timeout=10) == 0
+        # a restart (what torchrun sets for a restarted worker) waits, says so once, then trains once
+        # the holder is gone (it ends only after the restart said it waits: no race with a slow start)
+        restart = subprocess.Popen([sys.executable, "main.py", *RUN, "trainer.max_steps=1", f"trainer.run_dir={run}"],
+                                   cwd=REPO, env=child_env(TORCHELASTIC_RESTART_COUNT=1), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        said = ""
+        while "waiting up to 150 s for the lock" not in said and (line := restart.stderr.readline()):
+            said += line
+        holder.kill()
+        err = said + restart.communicate(timeout=120)[1]
+        assert restart.returncode == 0, err[-3000:]
+        assert err.count("waiting up to 150 s for the lock") == 1, err[-3000:]
+        assert (run / "snapshots" / "step_0000001").is_dir()
     finally:
         holder.kill()
     # a lock still held when the wait ends: refused with the usual line

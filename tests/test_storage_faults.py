@@ -312,6 +312,27 @@ def test_disk_filled_by_another_writer_mid_run_then_relaunch_matches(single_unin
         assert metric_steps(run) == metric_steps(single_uninterrupted) == [5, 10, 15, 20]
 
 
+def test_a_disk_full_before_the_first_snapshot_is_the_storage_line_and_changes_nothing(
+        single_uninterrupted, tmp_path, capsys):
+    """A fresh run on a disk that is already full: its first files (tokenizer.json, config.yaml)
+    cannot be written. One line, exit 3, no traceback, no half file; with space freed the same
+    command ends bit-identical."""
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        run = disk / "run"
+        filler = fill(disk)
+        assert app.main(SINGLE + [f"trainer.run_dir={run}"]) == 3
+        err = capsys.readouterr().err
+        assert storage_line(err) == (
+            f"error: cannot write the run's first files (tokenizer.json, config.yaml) to {run} (No space left on "
+            f"device); no valid snapshot exists yet, so a relaunch starts again from step 0; free space and "
+            f"relaunch the same command"), err[-3000:]
+        assert "Traceback" not in err
+        assert not run.exists()  # the folder this launch created is removed with its lock
+        filler.unlink()
+        assert app.main(SINGLE + [f"trainer.run_dir={run}"]) == 0
+        assert_bit_identical(single_uninterrupted / "model.pt", run / "model.pt")
+
+
 def test_outputs_on_a_full_disk_are_one_warning_and_export_rebuilds_model_pt(
         single_uninterrupted, tmp_path, monkeypatch, capsys):
     """The disk fills after the final snapshot: model.pt and sample.txt are one warning naming the
