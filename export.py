@@ -66,19 +66,22 @@ def main(argv=None) -> int:
         run_dir = Path(args.run_dir)
         model_file = consolidate(run_dir, args.step)
         if args.format == "hf":
-            write_hf(model_file, Path(args.out))
-            print(f"wrote {args.out} (Hugging Face GPT-2) from step {model_file.step}")
-            return 0
-        out, note = (Path(args.out), "") if args.out else default_out(run_dir, model_file.step, args.step is not None)
+            out, note = Path(args.out), " (Hugging Face GPT-2)"
+            write, left = (lambda: write_hf(model_file, out)), "each of its files is whole or absent"
+        else:
+            out, note = (Path(args.out), "") if args.out else default_out(run_dir, model_file.step, args.step is not None)
+            write, left = (lambda: write_model_file(out, model_file)), "nothing was written"
         try:
-            write_model_file(out, model_file)
-        except Exception as e:  # written whole or not at all: nothing of it is left
+            write()
+        except Exception as e:  # every file is written whole or not at all
             if (cause := os_error_in(e)) is None:  # torch.save wraps a failed write in a RuntimeError
                 raise
-            print(f"error: cannot write {out} ({error_words(cause)}); nothing was written; "
-                  f"{fix_for(cause, out.parent)} and run this command again", file=sys.stderr)
+            print(f"error: cannot write {out} ({error_words(cause)}); {left}; "
+                  f"{fix_for(cause, out if args.format == 'hf' else out.parent)} and run this command again",
+                  file=sys.stderr)
             return STORAGE_EXIT
-        print(f"wrote {out} from step {model_file.step}{note}")
+        print(f"wrote {out}{note if args.format == 'hf' else ''} from step {model_file.step}"
+              f"{note if args.format == 'pt' else ''}")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

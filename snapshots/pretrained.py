@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,7 +287,7 @@ def write_hf(model_file: ModelFile, out: Path) -> None:
     config = _hf_config(model_file.model_config, gpt2=model_file.tokenizer.get("kind") == "gpt2")
     out.mkdir(parents=True, exist_ok=True)
     record = json.dumps(model_file.tokenizer, ensure_ascii=False)
-    _atomic(out / "model.safetensors", lambda p: safetensors.torch.save_file(tensors, p, metadata={"format": "pt"}))
+    _atomic(out / "model.safetensors", lambda p: _save_safetensors(tensors, p))
     _atomic(out / TOKENIZER_FILE, lambda p: p.write_text(record, encoding="utf-8"))
     _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
 
@@ -332,6 +333,18 @@ def _hf_config(m: dict, gpt2: bool) -> dict:
         # <|endoftext|> of the GPT-2 BPE; a char vocabulary has no such token
         "bos_token_id": GPT2_VOCAB - 1 if gpt2 else None, "eos_token_id": GPT2_VOCAB - 1 if gpt2 else None,
     }
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' own writer; a write the storage refuses becomes the OSError it was (safetensors
+    raises its own error type, naming the errno only in its text: "... (os error 28)")."""
+    try:
+        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    except safetensors.SafetensorError as e:
+        if (found := re.search(r"os error (\d+)", str(e))) is None:
+            raise
+        code = int(found[1])
+        raise OSError(code, os.strerror(code), str(path)) from e
 
 
 def _atomic(path: Path, write) -> None:

@@ -366,6 +366,12 @@ def test_outputs_on_a_full_disk_are_one_warning_and_export_rebuilds_model_pt(
         assert err == (f"error: cannot write {run / 'model.pt'} (No space left on device); nothing was written; "
                        f"free space and run this command again\n"), err
         assert not (run / "model.pt").exists()
+        hf = run / "hf"  # the Hugging Face folder on the full disk: the same line, no half file
+        assert export.main(["--run-dir", str(run), "--format", "hf", "--out", str(hf)]) == 3
+        err = capsys.readouterr().err
+        assert err == (f"error: cannot write {hf} (No space left on device); each of its files is whole or "
+                       f"absent; free space and run this command again\n"), err
+        assert list(hf.iterdir()) == []  # its first file already met the full disk
         fillers[0].unlink()
         assert export.main(["--run-dir", str(run)]) == 0
         assert_bit_identical(single_uninterrupted / "model.pt", run / "model.pt")
