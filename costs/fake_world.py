@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -101,6 +102,9 @@ def start_rank(world: int, rank: int) -> DistEnv:
     """The fake process group as `rank` of `world` (any earlier one is destroyed first)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    # DTensor caches sharding decisions by mesh, and a mesh equals the last rank's (same ranks,
+    # same names) while its groups are gone: start each simulated rank without them
+    _clear_sharding_prop_cache()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     return DistEnv(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
 
