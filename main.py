@@ -18,6 +18,8 @@ snapshot that stays the resume point, exit 3 (storage/failures.py).
 
 This file is the command: its arguments, and the one place errors and signals end a launch
 (launch/errors.py). The launch itself is launch/app.py, building the Trainer launch/build.py.
+`--plan` predicts a layout's costs (costs/planner.py); `--dry-run` runs its real code on simulated
+ranks beside that prediction (costs/dry_run.py: exit 1 on a disagreement).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ if __name__ == "__main__":  # torch loads for seconds: a Ctrl-C meanwhile is one
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from config import DEFAULT_CONFIG, UsageError, load_config
+from costs.dry_run import dry_run_command
 from costs.planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
 from launch.app import run
 from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
@@ -63,6 +66,10 @@ def parse_args(argv):
     plan.add_argument("--plan", action="store_true",
                       help="print the predicted per-rank memory and bytes moved of this config's layout and of "
                            "every other layout on --world-size ranks, then exit")
+    plan.add_argument("--dry-run", action="store_true",
+                      help="run this config's layout on --world-size simulated ranks in this process (fake "
+                           "process group, fake tensors), one optimizer step per distinct rank role, and compare "
+                           "it with --plan's prediction: exit 1 on a disagreement above 1%%")
     plan.add_argument("--world-size", type=int, default=None,
                       help="ranks to plan for (default: WORLD_SIZE under torchrun, else 1)")
     plan.add_argument("--device-memory", default=None,
@@ -106,9 +113,20 @@ def print_plan(args) -> int:
     return 0
 
 
+def run_dry(args) -> int:
+    """--dry-run: the real code of every rank role of --world-size ranks, beside the plan (costs/dry_run.py)."""
+    cfg = load_config(args.config, args.overrides, adopt=adopt_model_shape)
+    world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world}")
+    return dry_run_command(cfg, world, args.plan_json)
+
+
 def launch(argv, keep_process_group: bool = False) -> int:
-    """One command line: --plan, or one launch of the training app."""
+    """One command line: --plan, --dry-run, or one launch of the training app."""
     args = parse_args(argv)
+    if args.dry_run:
+        return run_dry(args)
     return print_plan(args) if args.plan else run(args, keep_process_group)
 
 

@@ -69,7 +69,7 @@ def median_step_ms(overrides: list[str], nproc: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("overrides", nargs="*")

@@ -256,15 +256,23 @@ class FullyShardCosts(EngineCosts):
         # (measured: benchmarks/strategy_report.py, 2 x 8 blocks + 2 root all-gathers)
         gathers = 2 if self.reshard_after_forward else 1
         group = "dp_shard" if self.replicas > 1 else "dp"
-        ag = gathers * held.elems * self.gathered_bytes * self.microbatches
-        upper = " (an upper bound under pp: stages stay gathered between backwards)" if self.pipelined else ""
-        rs = held.elems * self.reduce_bytes
+        # FSDP2 moves padded dim-0 chunks, ceil(dim0 / s) rows on each of s ranks (at dp 64 the
+        # small tensors' padding is 3.7% of a GPT's bytes: found by the dry run, costs/dry_run.py)
+        padded = sum(self.share(t.shape) for t in held) * self.ranks
         units = held.blocks + 1  # fully_shard per block + the root
+        ag = gathers * padded * self.gathered_bytes * self.microbatches
+        ag_calls, upper = units * gathers * self.microbatches, ""
+        if self.pipelined and self.reshard_after_forward:
+            # torch's stages gather for every forward and once for the backwards (they stay
+            # gathered between backwards): (m + 1) K, measured by the dry run at 512 ranks (1f1b)
+            ag, gathers, upper = (self.microbatches + 1) * padded * self.gathered_bytes, 0, " (pp: m forwards + 1 backward)"
+            ag_calls = units * (self.microbatches + 1)
+        rs = padded * self.reduce_bytes
+        what = f"{gathers}x (forward{' + backward' if gathers == 2 else ''}) per micro-batch" if gathers else ""
         # prefetched one unit ahead and reduced on FSDP2's own streams: both overlap compute
-        return [Collective("all-gather", group, f"parameters, blocks and root: {gathers}x (forward"
-                           f"{' + backward' if gathers == 2 else ''}) per micro-batch{upper}",
-                           ag, ring_volume(ag, self.ranks), f"m {gathers}K(s-1)/s",
-                           calls=units * gathers * self.microbatches, overlaps=True),
+        return [Collective("all-gather", group, f"parameters, blocks and root: {what}{upper}",
+                           ag, ring_volume(ag, self.ranks), f"m {gathers}K(s-1)/s" if gathers else "(m+1)K(s-1)/s",
+                           calls=ag_calls, overlaps=True),
                 Collective("reduce-scatter", group, "gradients once per step", rs, ring_volume(rs, self.ranks),
                            "K(s-1)/s", calls=units, overlaps=True)]
 

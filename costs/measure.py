@@ -30,10 +30,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallel.dtensor import storage_id
+
 
 class SavedBytes:
-    """Counts the storages autograd saves for backward, each once. Holding a reference to every
-    storage keeps the allocator from handing a freed one's address to the next tensor."""
+    """Counts the storages autograd saves for backward, each once (by `storage_id`). Holding a
+    reference to every storage keeps a freed one's identity from going to the next tensor."""
 
     def __init__(self):
         self.storages: dict[int, torch.UntypedStorage] = {}
@@ -42,8 +44,7 @@ class SavedBytes:
         # a weight (or its transposed view, which F.linear saves) is a parameter, not an activation
         if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
             local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard
-            st = local.untyped_storage()
-            self.storages.setdefault(st.data_ptr(), st)
+            self.storages.setdefault(storage_id(local), local.untyped_storage())
         return t
 
     def hooks(self):

@@ -14,6 +14,7 @@ from costs.inventory import PARAM_BYTES, RankTensors
 from costs.records import Collective, PlannedLayout
 from costs.units import ceil_div
 from model import GPTConfig
+from parallel.options import Engine
 
 
 def _tp_calls(lay: PlannedLayout, blocks: int, first: bool, last: bool) -> tuple[int, int, str]:
@@ -67,6 +68,10 @@ def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages
                       sends * e * m, sends * e * m, "m x (b s h e) per stage boundary", calls=sends * m)]
     if g.tie_weights and (0 in stages) != (last in stages):
         vloc = ceil_div(g.vocab_size, tp if lay.tp_vocab_parallel else 1)
+        if lay.strategy in (Engine.FSDP, Engine.ZERO3) and lay.dp_shard > 1:
+            # parallel/pp.py all-reduces the local gradient: under FSDP2 that is the dp shard
+            # (found by the dry run: costs/dry_run.py)
+            vloc = ceil_div(vloc, lay.dp_shard)
         kt = vloc * g.n_embd * PARAM_BYTES
         out.append(Collective("all-reduce", "tied", "tied embedding/head gradient, first + last stage",
                               kt, kt, "2K(2-1)/2"))

@@ -1,4 +1,5 @@
-"""DTensor helpers: the one place that asks whether a tensor is distributed.
+"""DTensor helpers: the one place that asks whether a tensor is distributed (and `storage_id`, the
+identity that byte counters de-duplicate storages by).
 
 Tensor parallelism (DTensor `parallelize_module`) and FSDP2 (`fully_shard`) turn parameters and
 gradients into DTensors; pipeline stages, DDP and ZeRO-1/2 keep plain tensors; a tp layout mixes
@@ -14,6 +15,12 @@ from torch.distributed.tensor import DTensor
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` stored on this rank (a DTensor's shard or replica; a plain tensor itself)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of the storage under `t` (views of one storage share it). Not its address: a fake
+    tensor's (FakeTensorMode, the dry run) is 0 for every storage; the StorageImpl is distinct."""
+    return t.untyped_storage()._cdata
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
     """`model` is built identically on every rank (same seed or the same weights file);
     `wrap_data_parallel` is the strategy's step 4. Returns this rank's StepRunner."""
     p = cfg.parallel
-    model.to(env.device)
+    if any(t.device != env.device for t in model.parameters()):  # fake tensors cannot move (a dry run's)
+        model.to(env.device)
     # 1. pipeline split: this rank's stages by stage id (the whole model is stage 0 without pp)
     stages = split_stages(model, layout, layout.coordinate(env.rank).pp) if layout.pp_enabled else {0: model}
     # 2. tensor parallel, per stage

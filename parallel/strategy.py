@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from config import Config
 from model import GPT
 from observe.perf import cpu_devices
-from parallel.dtensor import full_tensor, local_tensor, same_layout_groups, settle_partial_grads
+from parallel.dtensor import full_tensor, local_tensor, same_layout_groups, settle_partial_grads, storage_id
 from parallel.env import DistEnv, local_world_size
 from parallel.layout import Layout, describe
 from parallel.parallelize import parallelize
@@ -243,7 +243,7 @@ def resident_bytes(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> 
             if t is None or not torch.is_tensor(t):
                 continue
             loc = local_tensor(t)
-            key = loc.untyped_storage().data_ptr() if loc.numel() else id(loc)
+            key = storage_id(loc) if loc.numel() else id(loc)
             if key in seen:
                 continue
             seen.add(key)

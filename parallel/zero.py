@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from parallel.dtensor import full_tensor, local_tensor
+from parallel.dtensor import full_tensor, local_tensor, storage_id
 from parallel.fsdp import FSDPStrategy
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy, decay_groups
 from parallel.zero_shard import ShardPlan, ZeroDataParallel
@@ -118,13 +118,13 @@ class ElementShardedZero(Strategy):
         """Adds the gradient slices' storage (stage 2: the reduce-scatter outputs, one storage per
         bucket) when it is not already counted (stage 1: views into the full gradients)."""
         out = super().resident_bytes(optimizer)
-        counted = {local_tensor(p.grad).untyped_storage().data_ptr() for p in self.plan.shard if p.grad is not None}
+        counted = {storage_id(local_tensor(p.grad)) for p in self.plan.shard if p.grad is not None}
         storages = {}
         for s in self.plan.shard.values():
             if s.grad is not None and s.grad.numel():
-                st = local_tensor(s.grad).untyped_storage()
-                if st.data_ptr() not in counted:
-                    storages[st.data_ptr()] = st.nbytes()
+                st = local_tensor(s.grad)
+                if storage_id(st) not in counted:
+                    storages[storage_id(st)] = st.untyped_storage().nbytes()
         out["grads"] += sum(storages.values())
         return out
 

@@ -1,0 +1,220 @@
+"""One simulated rank of a launch of any world size, in this process: torch's fake process group
+(every collective returns at once, moving nothing) and FakeTensorMode (tensors with shapes,
+dtypes and storages, but no data), with the real Layout, DeviceMesh, model, parallelize, strategy
+and Trainer (`build_rank`), measured through one whole optimizer step (`measure_rank`).
+
+The seams, each the smallest that lets the real code run on fake tensors (docs/planner.md lists
+what they leave uncovered):
+- the DeviceMesh computes its coordinates from a real tensor of ranks: it is built outside
+  FakeTensorMode (FSDP2 builds meshes too, under tp, so DeviceMesh.__init__ leaves the mode for
+  as long as it runs: `fake_world`);
+- object collectives (the tracker's peak label, a pipeline's merged dicts, DCP's gathers) pickle
+  into tensors the fake group never fills: inside `fake_world` every rank gets its own object back
+  (what every rank of a real launch computes from the same config);
+- DDP's start-up check compares parameters across ranks: skipped on the fake group
+  (parallel/ddp.py init_sync); its reducer asserts on the fake group's empty results, so each
+  bucket is all-reduced by a comm hook (the same call, payload and group);
+- pipeline stages get static shapes on the fake group (parallel/pp.py static_stage_args);
+- log-step reads (`.item()` of the loss and norm) are not run: only Trainer.train_step;
+- the snapshot's DCP save plan is created (DefaultSavePlanner.create_local_plan), not written.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.nn.parallel import DistributedDataParallel
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from char_dataset import Batching
+from config import Config
+from costs.measure import Call, CollectiveCounter, SavedBytes
+from model import GPT, GPTConfig
+from parallel.env import DistEnv
+from parallel.registry import build_strategy
+from parallel.strategy import Strategy
+from snapshots.store import split_state
+from trainer import Trainer
+
+
+class FakeData:
+    """The Trainer's dataset: every batch is (B/dp, T) token ids of zeros (their values never
+    matter on fake tensors)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def check_batch(self, global_batch: int) -> None:
+        pass
+
+    def steps_per_epoch(self, global_batch: int) -> float:
+        return 1.0
+
+    def train_batch(self, step: int, b: Batching) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.zeros(b.global_batch // b.dp_size, self.block_size, dtype=torch.long)
+        return x, x
+
+
+def _own_object_back(*objects):
+    """An object collective on the fake group: every rank receives its own objects."""
+    def gather(out, obj, *args, **kwargs):
+        if out is not None:
+            out[:] = [obj] * len(out)
+
+    def gather_to(obj, out=None, *args, **kwargs):
+        if out is not None:
+            out[:] = [obj] * len(out)
+    return {"broadcast_object_list": lambda objs, *a, **k: None, "all_gather_object": gather,
+            "gather_object": gather_to}
+
+
+@contextlib.contextmanager
+def fake_world():
+    """The seams of the module doc that patch torch for as long as the dry run lasts."""
+    real_init = DeviceMesh.__init__
+
+    def mesh_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            real_init(self, *args, **kwargs)
+    saved = {name: getattr(dist, name) for name in _own_object_back()}
+    DeviceMesh.__init__ = mesh_init
+    for name, fn in _own_object_back().items():
+        setattr(dist, name, fn)
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = real_init
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def start_rank(world: int, rank: int) -> DistEnv:
+    """The fake process group as `rank` of `world` (any earlier one is destroyed first)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # DTensor caches sharding decisions by mesh, and a mesh equals the last rank's (same ranks,
+    # same names) while its groups are gone: start each simulated rank without them
+    _clear_sharding_prop_cache()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    return DistEnv(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
+
+
+def dry_config(cfg: Config, run_dir: Path) -> Config:
+    """cfg as the dry run trains it: every step a log step (resident bytes are read there), a
+    given peak (no CPU measurement), nothing compiled, the run folder a scratch one."""
+    new = copy.deepcopy(cfg)
+    t = new.trainer
+    t.log_every, t.peak_flops, t.compile, t.device, t.run_dir = 1, 1.0, False, "cpu", str(run_dir)
+    return new
+
+
+def build_rank(cfg: Config, strategy: Strategy, vocab: int, run_dir: Path) -> Trainer:
+    """The real strategy.setup and Trainer of the strategy's rank, on fake tensors (call inside
+    FakeTensorMode; the strategy and its mesh are built outside, like a launch builds them)."""
+    torch.manual_seed(cfg.trainer.seed)
+    gpt_cfg = GPTConfig.of(cfg.model, vocab)
+    model = GPT(gpt_cfg)
+    cost = model.cost()
+    strategy.setup(model)
+    for module in _ddp_modules(strategy):
+        module.register_comm_hook(module.process_group, _all_reduce_bucket)
+    return Trainer(cfg, FakeData(cfg.model.block_size), None, strategy, run_dir, dataclasses.asdict(gpt_cfg), cost)
+
+
+def _ddp_modules(strategy: Strategy) -> list[DistributedDataParallel]:
+    runner = strategy.runner
+    parts = [getattr(runner, "wrapped", None)] + [st.submod for st in getattr(runner, "stages", [])]
+    return [m for m in parts if isinstance(m, DistributedDataParallel)]
+
+
+def _all_reduce_bucket(group, bucket):  # no annotation: DDP compares it with the object, a string here
+    """DDP's bucket all-reduce as a comm hook: the fake group's work carries no result tensor,
+    which DDP's C++ reducer asserts on; the bucket's all-reduce is issued (and counted) the same."""
+    dist.all_reduce(bucket.buffer(), group=group)
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+@dataclass
+class RankMeasurement:
+    """What one simulated rank holds, saves and issues in one optimizer step."""
+    rank: int
+    coordinate: tuple[int, int, int]  # (pp, dp, tp)
+    held: dict[str, int]  # Strategy.resident_bytes: params, grads, optimizer
+    activations_per_microbatch: int  # SavedBytes / micro-batches
+    calls: list[Call]  # every collective of the step (phase "norm": the gradient norm's)
+    groups: dict[tuple[int, ...], str]  # ranks of this rank's groups -> dp | tp | pp | tied
+    snapshot_items: int = 0  # DCP save plan: write items of this rank
+    snapshot_bytes: int = 0  # bytes of the tensors those items write
+    snapshot_calls: list[Call] = field(default_factory=list)  # collectives of building the state dict
+
+
+def measure_rank(cfg: Config, world: int, rank: int, vocab: int) -> RankMeasurement:
+    """One simulated rank: build it, run Trainer.train_step once, plan its snapshot."""
+    with tempfile.TemporaryDirectory(prefix="dry-run-") as tmp:
+        run_dir = Path(tmp)
+        cfg = dry_config(cfg, run_dir)
+        s = build_strategy(cfg, start_rank(world, rank))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            trainer = build_rank(cfg, s, vocab, run_dir)
+            counter, saved = CollectiveCounter(), SavedBytes()
+            clip = s.clip_grad_norm_
+
+            def clip_tagged(max_norm):  # the gradient norm's reductions: not in the planner's volumes
+                counter.phase = "norm"
+                try:
+                    return clip(max_norm)
+                finally:
+                    counter.phase = ""
+            s.clip_grad_norm_ = clip_tagged
+            with counter, saved.hooks():
+                trainer.train_step()
+            counter.phase = "snapshot"
+            with counter:
+                items, nbytes = plan_snapshot(trainer)
+        c = s.coordinate
+        return RankMeasurement(rank, (c.pp, c.dp, c.tp), dict(trainer.held_bytes),
+                               saved.nbytes // s.layout.microbatches,
+                               [k for k in counter.calls if k.phase != "snapshot"], group_names(s),
+                               items, nbytes, [k for k in counter.calls if k.phase == "snapshot"])
+
+
+def plan_snapshot(trainer: Trainer) -> tuple[int, int]:
+    """The snapshot's tensors (Trainer.state_tensors, as SnapshotManager.save splits them) through
+    DCP's save planner for this rank: (write items, bytes they write). Nothing is written."""
+    tensors, _ = split_state(trainer.state_tensors())
+    planner = DefaultSavePlanner()
+    with unset_fake_temporarily():  # planning reads shapes and placements; DTensor offsets come from real mesh tensors
+        planner.set_up_planner(tensors or {}, storage_meta=None, is_coordinator=trainer.strategy.env.rank == 0)
+        plan = planner.create_local_plan()
+    nbytes = 0
+    for item in plan.items:
+        if item.tensor_data is not None:
+            size = item.tensor_data.chunk.sizes
+            nbytes += int(torch.Size(size).numel()) * item.tensor_data.properties.dtype.itemsize
+    return len(plan.items), nbytes
+
+
+def group_names(strategy) -> dict[tuple[int, ...], str]:
+    """Ranks of this rank's groups -> the planner's group name (dp, tp, pp, tied)."""
+    out = {}
+    lay = strategy.layout
+    for dim in ("pp", "dp", "tp", "dp_replicate", "dp_shard"):  # the last two: HSDP's sub-groups of dp
+        if getattr(lay, dim) > 1 and dim in strategy.mesh.mesh_dim_names + ("dp",):
+            ranks = tuple(sorted(dist.get_process_group_ranks(strategy.mesh[dim].get_group())))
+            out[ranks] = "dp" if dim.startswith("dp") else dim
+    tied = getattr(strategy.runner, "tied_group", None)
+    if tied is not None:
+        out.setdefault(tuple(sorted(dist.get_process_group_ranks(tied))), "tied")
+    return out

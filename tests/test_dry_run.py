@@ -1,0 +1,46 @@
+"""The dry run (main.py --dry-run, costs/dry_run.py): the real code of a layout on simulated
+ranks of any world size in this process, beside the planner's prediction."""
+from __future__ import annotations
+
+import costs.engines
+from config import load_config
+from costs.activations import activation_model
+from costs.alternatives import check_layout
+from costs.inventory import gpt_config
+from costs.traffic import pp_collectives
+from main import main
+
+TINY = ["trainer.device=cpu", "model.n_layer=8", "model.n_embd=64"]
+
+
+def test_fsdp_tp_pp_at_512_ranks_agrees_with_the_plan(capsys):
+    code = main(["--dry-run", "--world-size", "512", *TINY, "parallel.strategy=fsdp", "parallel.tp=2",
+                 "parallel.pp=4", "trainer.batch_size=256"])
+    out = capsys.readouterr().out
+    assert "world 512 = fsdp dp64 x tp2 x pp4 1f1b | 12 simulated ranks" in out
+    assert code == 0, out
+
+
+def test_a_planted_disagreement_exits_1_naming_rank_category_and_figures(capsys, monkeypatch):
+    monkeypatch.setattr(costs.engines, "ADAM_STATE_BYTES", 12)  # the planner now expects 1.5x the Adam state
+    code = main(["--dry-run", "--world-size", "4", *TINY, "parallel.strategy=ddp"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "disagreement: rank 0 (pp 0, dp 0, tp 0) optimizer: planned 4.9 MB, measured 3.3 MB" in out
+
+
+def test_a_layout_the_launch_refuses_exits_2(capsys):
+    code = main(["--dry-run", "--world-size", "512", *TINY, "parallel.strategy=fsdp", "parallel.pp=4",
+                 "trainer.batch_size=64"])
+    assert code == 2
+    assert capsys.readouterr().err == ("error: trainer.batch_size=64 is not divisible by the 128 data-parallel ranks; "
+                                       "use a multiple of 128\n")
+
+
+def test_the_tied_weight_all_reduce_under_fsdp_moves_the_dp_shard():
+    # found by the dry run: parallel/pp.py all-reduces the local (FSDP2-sharded) tied gradient
+    cfg = load_config(None, [*TINY, "parallel.strategy=fsdp", "parallel.pp=2"])
+    lay = check_layout(cfg, 8)
+    g = gpt_config(cfg, 65)
+    tied = [c for c in pp_collectives(g, lay, activation_model(cfg, lay.strategy), [0]) if c.group == "tied"]
+    assert tied[0].payload_bytes == 17 * 64 * 4  # ceil(65 / 4 dp ranks) rows of the [65, 64] matrix
