@@ -36,6 +36,7 @@ from model import ModelCost
 from observe.health import FiniteCheck
 from observe.perf import Peak, set_fp32_matmul_mode
 from observe.step_metrics import RunSummary, StepWindow, memory_row
+from observe.stragglers import StragglerWatch
 from observe.tracker import NullTracker, Progress, RunTracker
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
 from snapshots.meta import SnapshotMeta
@@ -109,6 +110,7 @@ class Trainer:
         env = strategy.env  # launch/app.py runs train() inside self.watchdog.watching(step)
         self.watchdog = HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,
                                      env.distributed, run_dir)
+        self.stragglers = StragglerWatch(env.rank, env.world_size, env.local_rank, env.distributed, strategy.is_tracker)
 
     def _tracker_peak_label(self) -> str:
         """The peak is looked up on the tracker rank only (it may measure); every rank learns its label."""
@@ -303,8 +305,9 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the global batch of self.step. Returns (loss, grad norm)."""
-        loss = self.forward_backward()
-        return loss, self.optimizer_step()
+        with self.stragglers.timed():  # this rank's own compute time (observe/stragglers.py)
+            loss = self.forward_backward()
+            return loss, self.optimizer_step()
 
     def _is_eval_step(self, step: int) -> bool:
         """Every trainer.eval_every steps and at the last; never with eval_every = 0."""
@@ -382,7 +385,7 @@ class Trainer:
         tokens_per_sec = self.cfg.trainer.batch_size * self.cfg.model.block_size / seconds
         return dict(loss=float(s.reduce_mean(loss)), lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
                     mfu=self.peak.mfu(self.model_cost.flops_per_token, tokens_per_sec, s.num_devices),
-                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes))
+                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes), **self.stragglers.row(self.step))
 
     # ------------------------------------------------------------------ outputs
 
