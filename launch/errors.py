@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from config import Config, UsageError
 from observe.health import NonFiniteError
+from observe.replicas import ReplicaMismatch
 from storage.failures import STORAGE_EXIT, StorageError
 
 # How long a rank other than 0 waits before reporting an error under torchrun, so rank 0 (which
@@ -44,6 +45,12 @@ def error_line(e: BaseException) -> str | None:
     non-finite loss; None for any other exception (a bug: its traceback is the useful report)."""
     if isinstance(e, (UsageError, StorageError)):
         return f"error: {e}"
+    if isinstance(e, ReplicaMismatch):
+        kept = (f"the newest snapshot {e.last_snapshot} stays the resume point" if e.last_snapshot
+                else "no snapshot was written, so a relaunch starts from step 0")
+        return (f"error: training stopped: {e.what}; nothing of this step was saved and {kept}; a copy changed "
+                f"without an update (a flipped bit in memory or on the wire): check that host (ECC errors, "
+                f"dmesg) and relaunch")
     if isinstance(e, NonFiniteError):
         kept = (f"the newest snapshot {e.last_snapshot} stays the resume point" if e.last_snapshot
                 else "no snapshot was written, so a relaunch starts from step 0")

@@ -1,11 +1,12 @@
-"""Faults caused on purpose, for the tests: `MINGPT_FAULT=ACTION:WHERE:STEP:RANK`.
+"""Faults caused on purpose, for the tests: `MINGPT_FAULT=ACTION:WHERE:STEP:RANK[,ACTION:WHERE:STEP:RANK...]`.
 
 STEP may be '*'. Faults fire on the first launch attempt only, so a group that torchrun restarts
 can finish. The places that ask for a fault are the WHEREs: `save` (snapshots/store.py, right
 after a rank wrote its shards of snapshot STEP, the folder still temporary; for `eio`, inside
 that rank's write of them, snapshots/writer.py) and `update` (trainer.py, right after the
 optimizer step of STEP). Actions: `kill` SIGKILLs that rank; `term` sends it a real SIGTERM; `stop`
-sends it a real SIGSTOP (alive, frozen: a stuck driver); `block` blocks its training thread on a
+sends it a real SIGSTOP (alive, frozen: a stuck driver); `flip` (at update) flips one bit of one
+element of RANK's first LayerNorm weight (silent data corruption); `block` blocks its training thread on a
 lock forever, outside any collective (a deadlock; its other threads run on); `nan`
 (at update) makes RANK's first weight NaN (only that rank's copy or shard), as a diverged run
 would; `eio` (at save) makes every write of RANK's snapshot files raise OSError(EIO) from the file
@@ -29,14 +30,16 @@ from parallel.env import restart_count
 
 
 def fault_asked(where: str, step: int, rank: int) -> str | None:
-    """The action MINGPT_FAULT asks for here (None: none), without doing it."""
-    spec = os.environ.get("MINGPT_FAULT")
-    if not spec or restart_count() != 0:
+    """The action MINGPT_FAULT asks for here (None: none), without doing it. MINGPT_FAULT may hold
+    several specs, comma-separated; the first that matches here wins."""
+    specs = os.environ.get("MINGPT_FAULT")
+    if not specs or restart_count() != 0:
         return None
-    action, at, at_step, at_rank = spec.split(":")
-    if at != where or at_step not in ("*", str(step)) or int(at_rank) != rank:
-        return None
-    return action
+    for spec in specs.split(","):
+        action, at, at_step, at_rank = spec.strip().split(":")
+        if at == where and at_step in ("*", str(step)) and int(at_rank) == rank:
+            return action
+    return None
 
 
 def fault_point(where: str, step: int, rank: int) -> str | None:
@@ -63,11 +66,23 @@ def block_forever() -> None:
     lock.acquire()
 
 
+FLIPPED_BIT = 22  # the top mantissa bit of a float32: the value changes by up to half, stays finite
+
+
 @torch.no_grad()
-def poison_if_asked(step: int, rank: int, first_parameter: torch.Tensor) -> None:
-    """`nan:update:STEP:RANK`: RANK's first weight becomes NaN after the update of STEP."""
-    if fault_point("update", step, rank) == "nan":
-        local_tensor(first_parameter).fill_(float("nan"))
+def poison_if_asked(step: int, rank: int, module: torch.nn.Module) -> None:
+    """At the update of STEP on RANK: `nan` makes the module's first weight NaN; `flip` flips one
+    bit of one element of its first LayerNorm weight (a tensor every layout but plain FSDP keeps
+    replicated somewhere: over dp, tp or HSDP's replicas), as a bit flip in memory would."""
+    action = fault_point("update", step, rank)
+    if action == "nan":
+        local_tensor(next(module.parameters())).fill_(float("nan"))
+    elif action == "flip":
+        name, weight = next((n, p) for n, p in module.named_parameters() if "ln" in n and n.endswith("weight"))
+        bits = local_tensor(weight).view(-1).view(torch.int32)
+        bits[0] ^= 1 << FLIPPED_BIT
+        print(f"[fault] rank {rank} flips bit {FLIPPED_BIT} of {name}[0] after the update of step {step}",
+              file=sys.stderr, flush=True)
 
 
 class _EIOStream:

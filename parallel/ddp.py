@@ -57,3 +57,9 @@ class DDPStrategy(Strategy):
 
     def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
         return wrap_ddp(module, self.cfg, self.layout, self.mesh, self.env)
+
+    def params_replicated_over(self) -> str | None:
+        return "dp"  # whole copies, stepped alike
+
+    def optimizer_replicated_over(self) -> str | None:
+        return "dp"

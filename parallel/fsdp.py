@@ -45,6 +45,12 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     grads_sharded = True
 
+    def params_replicated_over(self) -> str | None:
+        return "dp_replicate" if self.layout.dp_replicate > 1 else None  # HSDP: each shard on every replica
+
+    def optimizer_replicated_over(self) -> str | None:
+        return self.params_replicated_over()
+
     # ------------------------------------------------------------------ options
 
     @property

@@ -68,6 +68,15 @@ class Strategy:
 
     # ------------------------------------------------------------------ layout
 
+    def params_replicated_over(self) -> str | None:
+        """The mesh dimension over which every rank holds the same local parameters (observe/replicas.py
+        compares them there), or None."""
+        return None
+
+    def optimizer_replicated_over(self) -> str | None:
+        """The mesh dimension over which every rank holds the same optimizer state, or None."""
+        return None
+
     @property
     def tracker_rank(self) -> int:
         """Global rank of the one process that writes metrics and talks to wandb."""

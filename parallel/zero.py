@@ -62,6 +62,9 @@ class ElementShardedZero(Strategy):
         return (f"zero-{self.stage} ({sharded} sharded by element over {self.dp_size} ranks, "
                 f"bucket {self.cfg.parallel.bucket_cap_mb:g} MB)")
 
+    def params_replicated_over(self) -> str | None:
+        return "dp"  # whole parameters (re-copied from each slice's owner after every step); the AdamW state is sharded
+
     def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
         """`module` under ZeroDataParallel, with this rank's shard plan."""
         group = self.mesh["dp"].get_group() if self.dp_size > 1 else None

@@ -277,7 +277,7 @@ def test_disk_filled_by_another_writer_mid_run_then_relaunch_matches(single_unin
     real = trainer_module.poison_if_asked
     fillers = []
 
-    def fill_at_step_8(step, rank, first_parameter):
+    def fill_at_step_8(step, rank, module):
         if step == 8 and not fillers:
             # metrics.jsonl ends on a page boundary (blank lines, which a resume drops), so its next
             # row needs a page the full disk no longer has, as a longer history would
@@ -285,7 +285,7 @@ def test_disk_filled_by_another_writer_mid_run_then_relaunch_matches(single_unin
             with open(metrics, "a") as f:
                 f.write("\n" * (-metrics.stat().st_size % 4096))
             fillers.append(fill(disk))
-        return real(step, rank, first_parameter)
+        return real(step, rank, module)
 
     with tmpfs(tmp_path / "disk", "64m") as disk:
         run = disk / "run"
