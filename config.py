@@ -80,6 +80,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     sample_tokens: int = 200  # length of the text sample written at the end (0 = none)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = measure on CPU / table on GPU)
+    async_save: bool = False  # write snapshots in the background: the loop waits only for the copy to CPU memory
     hang_timeout_s: float = 300.0  # no step finished for this long: name the stuck rank, exit 4 (0 = off)
 
 

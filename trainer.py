@@ -17,8 +17,6 @@ derives them per dp rank, so tp peers share one).
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from char_dataset import Batching, TokenDataset
 from config import Config, UsageError
 from launch.faults import poison_if_asked
+from launch.schedule import lr_at, schedule_change, total_steps
 from launch.stop_vote import StopVote
 from launch.stopping import StopRequest
 from launch.watchdog import HangWatchdog
@@ -46,18 +45,6 @@ from snapshots.resume import nothing_left_message, refuse_another_run, rng_state
 from snapshots.store import SnapshotManager
 
 
-def lr_at(step: int, cfg: Config, max_steps: int) -> float:
-    """Linear warmup to optimizer.lr, then cosine decay to optimizer.min_lr over lr_decay_steps."""
-    o = cfg.optimizer
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    decay = o.lr_decay_steps or max_steps
-    if step >= decay:
-        return o.min_lr
-    progress = (step - o.warmup_steps) / max(1, decay - o.warmup_steps)
-    return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)
-
-
 def seed_rng(seed: int, step: int, dp_rank: int) -> None:
     """Seed the CPU and every CUDA generator (what dropout draws from) from (seed, step, dp rank).
     Not from the global rank: tensor-parallel peers must draw the same dropout masks, since tp
@@ -65,14 +52,6 @@ def seed_rng(seed: int, step: int, dp_rank: int) -> None:
     such as LayerNorm weights drift apart silently). Pipeline stages of one dp rank share it too
     (they drop different activations)."""
     torch.manual_seed(seed + 1 + dp_rank + 1_000_003 * step)
-
-
-def total_steps(cfg: Config, data: TokenDataset) -> int:
-    """trainer.max_epochs (when > 0) converted to optimizer steps, else trainer.max_steps."""
-    t = cfg.trainer
-    if t.max_epochs > 0:
-        return max(1, math.ceil(t.max_epochs * data.steps_per_epoch(t.batch_size)))
-    return t.max_steps
 
 
 class Trainer:
@@ -96,7 +75,7 @@ class Trainer:
         self.tracker = NullTracker()
         self.tracker_run_id: str | None = None
         self.snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, strategy.env.rank,
-                                         strategy.env.distributed)
+                                         strategy.env.distributed, background=cfg.trainer.async_save)
         set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
         self.peak = Peak(strategy.device, cfg.trainer.precision, cfg.trainer.peak_flops, strategy.is_tracker)
         self.peak_label = self._tracker_peak_label()
@@ -205,37 +184,8 @@ class Trainer:
             seed_rng(self.cfg.trainer.seed, self.step, self.strategy.dp_rank)
         self.tracker_run_id = meta.tracker_run_id
         self.last_snapshot = self.resumed_from = path
-        self._note_schedule_change(meta)
+        self.schedule_note, self._snapshot_decay = schedule_change(self.cfg, self.data, meta, self.step, self.max_steps)
         return meta
-
-    def _note_schedule_change(self, meta: SnapshotMeta) -> None:
-        """A resume runs the configured schedule from its step on (see resume), so training longer
-        with lr_decay_steps=0 stretches the cosine and the LR jumps at the resume step: say so in
-        one line (`schedule_note`), with the LR the snapshot's own schedule would have continued
-        with. A snapshot whose config lacks those keys (older runs) gets no note."""
-        old = meta.config
-        try:
-            opt = dataclasses.replace(self.cfg.optimizer, **{
-                k: old["optimizer"][k] for k in ("lr", "min_lr", "warmup_steps", "lr_decay_steps")})
-            tr = dataclasses.replace(self.cfg.trainer, **{k: old["trainer"][k] for k in ("max_steps", "max_epochs")})
-        except (KeyError, TypeError):
-            return
-        then = dataclasses.replace(self.cfg, optimizer=opt, trainer=tr)
-        then_steps = total_steps(then, self.data)
-        o = self.cfg.optimizer
-        self._snapshot_decay = decay_then = opt.lr_decay_steps or then_steps
-        decay_now = o.lr_decay_steps or self.max_steps
-        changes = [f"optimizer.{k}={getattr(opt, k)} (now {getattr(o, k)})"
-                   for k in ("lr", "min_lr", "warmup_steps") if getattr(opt, k) != getattr(o, k)]
-        if decay_now != decay_then:
-            why = "optimizer.lr_decay_steps" if o.lr_decay_steps else "trainer.max_steps, as optimizer.lr_decay_steps=0"
-            changes.append(f"the cosine now decays over {decay_now} steps ({why}), not {decay_then}; "
-                           f"optimizer.lr_decay_steps={decay_then} keeps the snapshot's curve")
-        if changes and self.step < self.max_steps:
-            was, now = lr_at(self.step, then, then_steps), lr_at(self.step, self.cfg, self.max_steps)
-            self.schedule_note = (f"note: the LR schedule changes at the resume step: at step {self.step} the "
-                                  f"snapshot's schedule would continue with lr {was:.3e}, now {now:.3e}, because "
-                                  + "; ".join(changes))
 
     def nothing_left_message(self) -> str:
         """The one line of a launch that resumed at or past its last step (main exits 0 after it)."""
@@ -370,6 +320,7 @@ class Trainer:
                 break
             if not last:
                 vote.start()
+        self.snapshots.finish_background()  # the final or stop snapshot is committed before the closing line
         progress.close()
         if stopped:
             return RunSummary(self.step, stopped=stopped, snapshot=str(snapshot))
@@ -388,7 +339,8 @@ class Trainer:
         tokens_per_sec = self.cfg.trainer.batch_size * self.cfg.model.block_size / seconds
         return dict(loss=float(s.reduce_mean(loss)), lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
                     mfu=self.peak.mfu(self.model_cost.flops_per_token, tokens_per_sec, s.num_devices),
-                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes), **self.stragglers.row(self.step))
+                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes), **self.stragglers.row(self.step),
+                    **self.snapshots.pop_timing())
 
     # ------------------------------------------------------------------ outputs
 

@@ -43,7 +43,7 @@ from model import GPT, GPTConfig
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
 from parallel.strategy import Strategy
-from snapshots.store import split_state
+from snapshots.state_split import split_state
 from trainer import Trainer
 
 

@@ -24,6 +24,7 @@ from costs.auto import choose_layout
 from launch.build import build_trainer, fallback_corpus
 from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
+from launch.schedule import schedule_notes
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
 from model import GPT, GPTConfig
 from observe.perf import cpu_devices
@@ -34,7 +35,7 @@ from snapshots.model_file import MODEL_FILE
 from snapshots.pretrained import adopt_model_shape
 from storage.failures import StorageError, os_error_in
 from storage.files import atomic_write_text
-from trainer import Trainer, lr_at
+from trainer import Trainer
 
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, --plan-json and --explain"
 
@@ -141,23 +142,6 @@ def write_start_files(trainer: Trainer, cfg: Config, env: DistEnv, run_dir: Path
         refused = box[0]
     if refused is not None:
         raise StorageError("the run's first files (tokenizer.json, config.yaml)", run_dir, refused, trainer.last_snapshot)
-
-
-def schedule_notes(cfg: Config, max_steps: int) -> list[str]:
-    """`note:` lines for an LR schedule that never does what its keys say within this run: a
-    warmup longer than the run never reaches optimizer.lr; a cosine longer than the run never
-    reaches optimizer.min_lr (e.g. trainer.max_epochs on a small corpus gives fewer steps)."""
-    o, notes = cfg.optimizer, []
-    last = lr_at(max_steps - 1, cfg, max_steps)
-    if o.warmup_steps >= max_steps:
-        notes.append(f"note: optimizer.warmup_steps={o.warmup_steps} is not shorter than the run ({max_steps} steps): "
-                     f"the LR ends at {last:.3e} and never reaches optimizer.lr={o.lr:g}; lower "
-                     f"optimizer.warmup_steps (e.g. {max(1, max_steps // 10)})")
-    elif o.lr_decay_steps > max_steps:
-        notes.append(f"note: optimizer.lr_decay_steps={o.lr_decay_steps} is longer than the run ({max_steps} steps): "
-                     f"the LR ends at {last:.3e}, not optimizer.min_lr={o.min_lr:g}; set optimizer.lr_decay_steps=0 "
-                     f"to decay over the run")
-    return notes
 
 
 def startup_view(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer) -> str:

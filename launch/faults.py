@@ -3,7 +3,8 @@
 STEP may be '*'. Faults fire on the first launch attempt only, so a group that torchrun restarts
 can finish. The places that ask for a fault are the WHEREs: `save` (snapshots/store.py, right
 after a rank wrote its shards of snapshot STEP, the folder still temporary; for `eio`, inside
-that rank's write of them, snapshots/writer.py) and `update` (trainer.py, right after the
+that rank's write of them, snapshots/writer.py), `write` (snapshots/writer.py, as a rank starts
+writing its files of snapshot STEP: on a background save, while training goes on) and `update` (trainer.py, right after the
 optimizer step of STEP). Actions: `kill` SIGKILLs that rank; `term` sends it a real SIGTERM; `stop`
 sends it a real SIGSTOP (alive, frozen: a stuck driver); `flip` (at update) flips one bit of one
 element of RANK's first LayerNorm weight (silent data corruption); `block` blocks its training thread on a

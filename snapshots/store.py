@@ -43,19 +43,21 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from config import UsageError
 from launch.faults import fault_point
+from snapshots.background import BackgroundSaves, SaveTiming
 from snapshots.meta import FORMAT_VERSION, META, SnapshotMeta, step_dir_name
 from snapshots.reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
+from snapshots.state_split import merge_ranks, put_rest, split_state
 from snapshots.validate import list_snapshots, other_format_refusal, validate_snapshot
 from snapshots.writer import SnapshotWriter, rename_into_place, write_record
 from storage.failures import StorageError, error_words, os_error_in, room_problem
@@ -69,67 +71,6 @@ def load_tensors(path: Path, state: dict, distributed: bool = False) -> None:
     read_dcp_metadata(path)  # a clear UnsafeSnapshot here, rather than one wrapped by DCP
     with _quiet_single_process():
         dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not distributed)
-
-
-# ------------------------------------------------------------------ tensors to DCP, the rest to JSON
-
-def split_state(tree):
-    """(tensors, rest): the same nested dicts, one holding the tensor leaves (for DCP), the other
-    every non-tensor subtree (for JSON), None where a side has nothing."""
-    if torch.is_tensor(tree):
-        return tree, None
-    if isinstance(tree, dict):
-        tensors, rest = {}, {}
-        for k, v in tree.items():
-            t, r = split_state(v)
-            if t is not None:
-                tensors[k] = t
-            if r is not None:
-                rest[k] = r
-        return tensors or None, rest or None
-    if isinstance(tree, (list, tuple)) and any(split_state(v)[0] is not None for v in tree):
-        raise TypeError("tensors inside lists are not supported in snapshots; use dicts")
-    return None, tree
-
-
-def _merge_ranks(a, b):
-    """One record of every rank's non-tensor state: equal values stay; dicts merge per key,
-    lists of dicts per element; lists that differ (e.g. the parameter names of each pipeline
-    stage's param group) become their ordered union; other differences keep the lower rank's."""
-    if a == b:
-        return a
-    if isinstance(a, dict) and isinstance(b, dict):
-        return {**b, **{k: _merge_ranks(v, b[k]) if k in b else v for k, v in a.items()}}
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) == len(b) and all(isinstance(x, dict) for x in [*a, *b]):
-            return type(a)(_merge_ranks(x, y) for x, y in zip(a, b))
-        return type(a)(list(a) + [x for x in b if x not in a])
-    return a
-
-
-def _like(value, template):
-    """`value` as JSON gave it back, with tuples where the template (this run's own state) has
-    them (AdamW's betas)."""
-    if isinstance(template, dict) and isinstance(value, dict):
-        return {k: _like(v, template.get(k)) for k, v in value.items()}
-    if isinstance(template, (list, tuple)) and isinstance(value, list):
-        items = [_like(v, template[i] if i < len(template) else None) for i, v in enumerate(value)]
-        return tuple(items) if isinstance(template, tuple) else items
-    return value
-
-
-def _put_rest(state: dict, stored: dict, where: str = "") -> None:
-    """Replace each non-tensor value of `state` (a template: this run's own state) in place with
-    the snapshot's JSON record of it; KeyError names one that the snapshot lacks."""
-    for k, v in state.items():
-        if torch.is_tensor(v):
-            continue
-        if isinstance(v, dict) and split_state(v)[0] is not None:  # holds tensors: go deeper
-            _put_rest(v, stored.get(k, {}) if isinstance(stored, dict) else {}, f"{where}{k}.")
-        elif isinstance(stored, dict) and k in stored:
-            state[k] = _like(stored[k], v)
-        else:
-            raise KeyError(f"{where}{k}")
 
 
 @dataclass
@@ -152,6 +93,14 @@ class SnapshotManager:
     _verdicts: dict[str, str] = field(default_factory=dict)
     _reported: set[str] = field(default_factory=set)  # damaged ones already warned about
     newest: Path | None = None  # the newest valid snapshot (resumed from or written): the resume point
+    background: bool = False  # trainer.async_save: write and commit on a thread (snapshots/background.py)
+    _saves: BackgroundSaves | None = None
+    _in_flight: Path | None = None  # the final folder of the background save not yet waited for
+    _timing: SaveTiming | None = None  # the newest finished save's, not yet logged
+
+    def __post_init__(self):
+        if self.background:
+            self._saves = BackgroundSaves(self.rank, self.distributed, self._commit_and_prune)
 
     @property
     def snap_dir(self) -> Path:
@@ -187,6 +136,9 @@ class SnapshotManager:
         tensors, rest = split_state(state)
         record = {**meta.to_dict(), "format": FORMAT_VERSION, "step": step,
                   "nontensor_state": self._merged_over_ranks(rest) or {}}
+        if self._saves is not None:
+            return self._save_in_background(step, tensors or {}, tmp, final, record)
+        start = time.perf_counter()
         try:
             self._on_rank0(lambda: self._prepare(tmp))
             with _quiet_single_process():  # DCP gathers every rank's failure to every rank
@@ -206,17 +158,50 @@ class SnapshotManager:
         if self.rank == 0:
             self._prune(final)
         self._barrier()
+        ms = 1000 * (time.perf_counter() - start)
+        self._timing = SaveTiming(step, ms, ms)
         return final
 
+    def _save_in_background(self, step: int, tensors: dict, tmp: Path, final: Path, record: dict) -> Path:
+        """Collective. Wait for the save in flight, then start this one (snapshots/background.py)."""
+        self.finish_background()
+        try:
+            self._on_rank0(lambda: self._prepare(tmp))
+        except OSError as e:
+            raise StorageError(f"snapshot step {step}", self.snap_dir, e, self.newest) from None
+        self._saves.start(step, tensors, tmp, final, record)
+        self._in_flight = final
+        return final
+
+    def finish_background(self) -> None:
+        """Collective. Wait for the background save in flight (none: nothing to do); StorageError
+        on every rank if it failed. The snapshot it wrote is then the resume point."""
+        if self._saves is None or self._in_flight is None:
+            return
+        final, self._in_flight = self._in_flight, None
+        self._timing = self._saves.wait(self.newest, self.snap_dir)
+        self.newest = final
+
+    def pop_timing(self) -> dict:
+        """The newest finished save's save_blocking_ms and save_total_ms for the next metrics row
+        (a background save's once waited for, at the next save or the end), then nothing."""
+        t, self._timing = self._timing, None
+        return {} if t is None else {"save_step": t.step, "save_blocking_ms": t.blocking_ms, "save_total_ms": t.total_ms}
+
+    def _commit_and_prune(self, tmp: Path, final: Path, record: dict) -> None:
+        """Rank 0, on the background save's thread once every rank's files are written."""
+        self._commit(tmp, final, record)
+        self._prune(final)
+
     def _merged_over_ranks(self, rest):
-        """Rank 0: every rank's non-tensor state as one record (_merge_ranks); others: their own."""
+        """Rank 0: every rank's non-tensor state as one record (merge_ranks); others: their own."""
         if not self.distributed:
             return rest
         everyone = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(rest, everyone, dst=0)
         if self.rank == 0:
             for other in everyone[1:]:
-                rest = _merge_ranks(rest, other)
+                rest = merge_ranks(rest, other)
         return rest
 
     def _on_rank0(self, fn) -> None:
@@ -344,7 +329,7 @@ class SnapshotManager:
         tensors, _ = split_state(state)
         try:
             load_tensors(path, tensors or {}, self.distributed)
-            _put_rest(state, meta.get("nontensor_state", {}))
+            put_rest(state, meta.get("nontensor_state", {}))
         except (Exception, CheckpointException) as e:  # shapes or keys that do not fit this model
             cause = _first_cause(e)
             if isinstance(cause, UnsafeSnapshot):  # it changed after rank 0 validated it

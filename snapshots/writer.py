@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from launch.faults import EIOFileSystem, fault_asked
+from launch.faults import EIOFileSystem, fault_asked, fault_point
 from snapshots.meta import META
 from storage.failures import os_error_in
 from storage.files import atomic_write_text, fsync_dir, sha256_file
@@ -35,10 +35,12 @@ class SnapshotWriter(FileSystemWriter):
 
     def __init__(self, path: Path, step: int, rank: int):
         super().__init__(path)
+        self.step, self.rank = step, rank
         if fault_asked("save", step, rank) == "eio":
             self.fs = EIOFileSystem()
 
     def write_data(self, plan, planner):
+        fault_point("write", self.step, self.rank)  # a kill or a signal before this rank's files are written
         try:
             return super().write_data(plan, planner)
         except Exception as e:

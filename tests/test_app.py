@@ -21,8 +21,8 @@ import main as app
 import sample
 from config import load_config
 from launch.local import CORPUS, TINY, python
+from launch.schedule import lr_at, total_steps
 from parallel.env import init_distributed
-from trainer import lr_at, total_steps
 
 
 def model_pt(run_dir: Path) -> dict:

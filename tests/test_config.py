@@ -151,6 +151,7 @@ BAD_INPUTS = {
     "grad_clip": (["trainer.grad_clip=-1"], "trainer.grad_clip must be >= 0"),
     "peak_flops": (["trainer.peak_flops=-1"], "trainer.peak_flops must be >= 0"),
     "hang_timeout_s": (["trainer.hang_timeout_s=-5"], "trainer.hang_timeout_s must be >= 0"),
+    "async_save": (["trainer.async_save=maybe"], "trainer.async_save' must be true or false"),
     "resume": (["trainer.resume=maybe"], "not one of auto, never, require"),
     "precision": (["trainer.precision=fp8"], "not one of fp32, bf16, fp16"),
     "device": (["trainer.device=tpu"], "not one of auto, cpu, cuda"),

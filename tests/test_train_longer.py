@@ -16,7 +16,7 @@ from pathlib import Path
 from config import load_config
 from harness import app_in_process
 from launch.local import TINY
-from trainer import lr_at
+from launch.schedule import lr_at
 
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=20"]
 
