@@ -20,7 +20,7 @@ from launch.watchdog import HANG_EXIT, RankReport, compact_ranks, hang_line
 
 COMMON = TINY + ["parallel.strategy=ddp", "trainer.max_steps=20", "trainer.save_every=5",
                  "optimizer.lr_decay_steps=20", "trainer.hang_timeout_s=3"]
-RESTART = ["--max-restarts=1", "--monitor-interval=0.2"]
+RESTART = ["--max-restarts=1", "--monitor-interval=0.2", "--shutdown-timeout=3"]  # the frozen rank: SIGKILL 3 s after its SIGTERM
 HOST = socket.gethostname()
 
 
