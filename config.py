@@ -80,6 +80,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     sample_tokens: int = 200  # length of the text sample written at the end (0 = none)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU (0 = measure on CPU / table on GPU)
+    profile: str = ""  # START:STEPS: a torch profiler trace of those steps per rank in run_dir/profile/ ("" = none)
     async_save: bool = False  # write snapshots in the background: the loop waits only for the copy to CPU memory
     hang_timeout_s: float = 300.0  # no step finished for this long: name the stuck rank, exit 4 (0 = off)
 
@@ -209,7 +210,9 @@ def _coerce(key: str, value, ftype):
     raise AssertionError(f"unsupported field type {ftype}")
 
 
-def _set(cfg: Config, dotted: str, value) -> None:
+def _set(cfg: Config, dotted: str, value, text: str | None = None) -> None:
+    """`text`: an override's value as typed; a string key keeps it when YAML read it as something
+    else (YAML 1.1 reads 3:2 as the base-60 number 182, 1e3 as a string, 0x10 as 16)."""
     parts = dotted.split(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
     if len(parts) != 2:
@@ -225,6 +228,8 @@ def _set(cfg: Config, dotted: str, value) -> None:
     if key not in hints:
         full = [f"{sec_name}.{k}" for k in hints]
         raise UsageError(f"unknown config key '{dotted}'{_suggest(dotted, full)}")
+    if hints[key] is str and text is not None and not isinstance(value, str):
+        value = text
     setattr(section, key, _coerce(dotted, value, hints[key]))
 
 
@@ -266,7 +271,7 @@ def load_config(path: str | None, overrides: list[str] = (), world_size: int | N
             value = yaml.safe_load(text) if text != "" else ""
         except yaml.YAMLError:
             value = text
-        _set(cfg, key.strip(), value)
+        _set(cfg, key.strip(), value, text)
         explicit.add(key.strip())
     if adopt is not None:
         adopt(cfg, explicit)
@@ -285,6 +290,15 @@ def _choice(key: str, value: str, choices) -> None:
 def _positive(key: str, value, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise UsageError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """trainer.profile: 'START:STEPS' -> (start, steps); '' -> None."""
+    parts = spec.split(":")
+    if spec and (len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[1]) < 1):
+        raise UsageError(f"trainer.profile='{spec}' is not START:STEPS (two whole numbers, STEPS >= 1); "
+                         f"e.g. trainer.profile=10:3 profiles steps 10, 11 and 12")
+    return (int(parts[0]), int(parts[1])) if spec else None
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -343,6 +357,7 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _choice("trainer.resume", t.resume, ("auto", "never", "require"))
     _choice("trainer.precision", t.precision, PRECISIONS)
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    profile_window(t.profile)
     if not t.run_dir:
         raise UsageError("trainer.run_dir is empty; name a folder for this run's outputs")
 

@@ -34,6 +34,7 @@ from launch.watchdog import HangWatchdog
 from model import ModelCost
 from observe.health import FiniteCheck
 from observe.perf import Peak, set_fp32_matmul_mode
+from observe.profiling import StepProfiler
 from observe.replicas import check_replicas
 from observe.step_metrics import RunSummary, StepWindow, memory_row
 from observe.stragglers import StragglerWatch
@@ -90,6 +91,7 @@ class Trainer:
         env = strategy.env  # launch/app.py runs train() inside self.watchdog.watching(step)
         self.watchdog = HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,
                                      env.distributed, run_dir)
+        self.profiler = StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device)
         self.stragglers = StragglerWatch(env.rank, env.world_size, env.local_rank, env.distributed, strategy.is_tracker)
 
     def _tracker_peak_label(self) -> str:
@@ -256,7 +258,7 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the global batch of self.step. Returns (loss, grad norm)."""
-        with self.stragglers.timed():  # this rank's own compute time (observe/stragglers.py)
+        with self.stragglers.timed(), self.profiler.around(self.step):  # observe/stragglers.py, observe/profiling.py
             loss = self.forward_backward()
             return loss, self.optimizer_step()
 

@@ -152,6 +152,8 @@ BAD_INPUTS = {
     "peak_flops": (["trainer.peak_flops=-1"], "trainer.peak_flops must be >= 0"),
     "hang_timeout_s": (["trainer.hang_timeout_s=-5"], "trainer.hang_timeout_s must be >= 0"),
     "async_save": (["trainer.async_save=maybe"], "trainer.async_save' must be true or false"),
+    "profile": (["trainer.profile=10"], "trainer.profile='10' is not START:STEPS"),
+    "profile steps": (["trainer.profile=10:0"], "is not START:STEPS (two whole numbers, STEPS >= 1)"),
     "resume": (["trainer.resume=maybe"], "not one of auto, never, require"),
     "precision": (["trainer.precision=fp8"], "not one of fp32, bf16, fp16"),
     "device": (["trainer.device=tpu"], "not one of auto, cpu, cuda"),
@@ -247,3 +249,9 @@ def test_every_blocker_of_a_launch_in_one_line_world_size_first(tmp_path, capsys
                                                    "parallel.tp * parallel.pp = 3"), err
     assert "(2) model.n_head=4 is not divisible by parallel.tp=3" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_string_key_keeps_an_override_as_typed():
+    """YAML 1.1 reads 3:2 as the base-60 number 182: a string key takes the text itself."""
+    cfg = load_config(None, ["trainer.profile=3:2", "trainer.run_dir=0x10"])
+    assert cfg.trainer.profile == "3:2" and cfg.trainer.run_dir == "0x10"
