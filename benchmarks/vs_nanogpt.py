@@ -1,0 +1,180 @@
+"""Side by side with nanoGPT: its own train.py and this project's main.py on nanoGPT's CPU config,
+one after the other on this machine, each model's val loss measured the same way.
+
+nanoGPT's README runs, on a CPU (eager):
+    python train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20
+        --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128
+        --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
+This script runs exactly that on a scratch copy of ../shared/peers/nanoGPT (its data prepared from
+the same Tiny Shakespeare file; its hard-coded seed 1337 made a `--seed` key, default 1337), then main.py with the same model, batch, steps and schedule
+(benchmarks/cpu_shakespeare.py's NANOGPT_CPU, plus any overrides given, e.g. a preset's speed
+settings), both with the same threads. Printed per run: the median time of a training step
+(nanoGPT's per-iteration `time`, this project's step_time_ms; neither includes evaluation),
+tokens/s at that median, the wall time, and the val loss of the final weights on the WHOLE
+validation split, in non-overlapping 64-token windows of nanoGPT's split (the last 10% of the text),
+each model with its own tokenizer: nanoGPT's 20 random eval batches are too noisy to compare.
+Then the ratio of tokens/s and the difference of val loss. `--seeds 1337 42` repeats both runs
+per seed and reports the spread.
+
+    python benchmarks/vs_nanogpt.py                       # 2000 steps, 2 threads
+    python benchmarks/vs_nanogpt.py --steps 500           # shorter (the loss is then not nanoGPT's)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _repo  # noqa: F401  (the repository on sys.path)
+import torch
+from cpu_shakespeare import NANOGPT_CPU
+
+from launch.local import CORPUS, REPO, SHARED
+from model import GPT, GPTConfig
+from snapshots.model_file import read_model_file
+
+NANOGPT = SHARED / "peers" / "nanoGPT"
+BLOCK, BATCH = 64, 12
+
+
+def nanogpt_args(steps: int, seed: int, out: Path) -> list[str]:
+    return ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+            "--log_interval=1", f"--block_size={BLOCK}", f"--batch_size={BATCH}", "--n_layer=4", "--n_head=4",
+            "--n_embd=128", f"--max_iters={steps}", f"--lr_decay_iters={steps}", "--dropout=0.0",
+            f"--out_dir={out}", "--always_save_checkpoint=True", f"--eval_interval={min(250, steps)}",
+            f"--seed={seed}"]
+
+
+def env(threads: int) -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    e.pop("TORCH_FR_BUFFER_SIZE", None)
+    return e
+
+
+def run_nanogpt(scratch: Path, steps: int, seed: int, threads: int) -> dict:
+    out = scratch / f"out-{seed}"
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "train.py", *nanogpt_args(steps, seed, out)], cwd=scratch,
+                       env=env(threads), capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if r.returncode != 0:
+        raise SystemExit(f"nanoGPT failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    ms = [float(m) for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", r.stdout, re.M)][5:]
+    return {"step_ms": statistics.median(ms), "wall_s": wall, "ckpt": out / "ckpt.pt"}
+
+
+def run_ours(folder: Path, steps: int, seed: int, threads: int, extra: list[str]) -> dict:
+    run = folder / f"ours-{seed}"
+    overrides = [f"data.path={CORPUS}", *NANOGPT_CPU, f"trainer.max_steps={steps}",
+                 f"optimizer.lr_decay_steps={steps}", f"trainer.seed={seed}", "trainer.log_every=10",
+                 "trainer.hang_timeout_s=0", f"trainer.run_dir={run}", *extra]
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "main.py", *overrides], cwd=REPO, env=env(threads), capture_output=True,
+                       text=True)
+    wall = time.perf_counter() - start
+    if r.returncode != 0:
+        raise SystemExit(f"main.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {"step_ms": statistics.median(row["step_time_ms"] for row in rows[1:]), "wall_s": wall,
+            "model": run / "model.pt"}
+
+
+@torch.no_grad()
+def windows_loss(logits_of, ids: torch.Tensor) -> float:
+    """Mean cross-entropy over every non-overlapping BLOCK-token window of `ids` (the last partial
+    one dropped); `logits_of(x, y)`: the model's logits (B, T, V) for inputs x."""
+    n = (ids.numel() - 1) // BLOCK
+    x = ids[:n * BLOCK].view(n, BLOCK)
+    y = ids[1:n * BLOCK + 1].view(n, BLOCK)
+    total = 0.0
+    for i in range(0, n, 256):
+        logits = logits_of(x[i:i + 256], y[i:i + 256])
+        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y[i:i + 256].reshape(-1),
+                                                   reduction="sum").item()
+    return total / (n * BLOCK)
+
+
+def nanogpt_val_loss(scratch: Path, ckpt: Path, val_text: str, chars: list[str]) -> float:
+    spec = importlib.util.spec_from_file_location("nanogpt_model", scratch / "model.py")  # not our model.py
+    nano = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nano)
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    model = nano.GPT(nano.GPTConfig(**state["model_args"]))
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state["model"].items()})
+    model.eval()
+    stoi = {c: i for i, c in enumerate(chars)}
+    # with targets nanoGPT returns the logits of every position (without, only the last one's)
+    return windows_loss(lambda x, y: model(x, y)[0], torch.tensor([stoi[c] for c in val_text]))
+
+
+def our_val_loss(model_pt: Path, val_text: str) -> float:
+    from corpus.tokenizers import tokenizer_from_dict
+    f = read_model_file(model_pt)
+    model = GPT(GPTConfig(**f.model_config))
+    model.load_state_dict(f.model)
+    model.eval()
+    return windows_loss(lambda x, y: model(x), tokenizer_from_dict(f.tokenizer).encode(val_text))
+
+
+def scratch_nanogpt(folder: Path) -> Path:
+    """A copy of nanoGPT with its Shakespeare-char data prepared from our copy of the text (offline)."""
+    scratch = folder / "nanoGPT"
+    shutil.copytree(NANOGPT, scratch)
+    # nanoGPT seeds with 1337 in its code: in the copy, `seed` becomes a config key (default 1337)
+    train = scratch / "train.py"
+    code = train.read_text(encoding="utf-8")
+    for old, new in (("config_keys = [", "seed = 1337\nconfig_keys = ["),
+                     ("torch.manual_seed(1337 + seed_offset)", "torch.manual_seed(seed + seed_offset)")):
+        if old not in code:
+            raise SystemExit(f"{train}: nanoGPT's code changed ({old!r} not found); update scratch_nanogpt")
+        code = code.replace(old, new, 1)
+    train.write_text(code, encoding="utf-8")
+    data = scratch / "data" / "shakespeare_char"
+    shutil.copy(CORPUS, data / "input.txt")
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    return scratch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    ap.add_argument("overrides", nargs="*", help="config overrides for main.py (e.g. a preset's speed settings)")
+    args = ap.parse_args()
+    text = CORPUS.read_text(encoding="utf-8")
+    val_text, chars = text[int(len(text) * 0.9):], sorted(set(text))  # nanoGPT's split and vocabulary
+    with tempfile.TemporaryDirectory() as d:
+        folder = Path(d)
+        scratch = scratch_nanogpt(folder)
+        results = {"nanoGPT": [], "minGPT-parallel": []}
+        for seed in args.seeds:  # one after the other, never at once
+            nano = run_nanogpt(scratch, args.steps, seed, args.threads)
+            nano["val"] = nanogpt_val_loss(scratch, nano["ckpt"], val_text, chars)
+            ours = run_ours(folder, args.steps, seed, args.threads, args.overrides)
+            ours["val"] = our_val_loss(ours["model"], val_text)
+            results["nanoGPT"].append(nano)
+            results["minGPT-parallel"].append(ours)
+    print(f"\n=== {args.steps} steps of nanoGPT's CPU config, {args.threads} threads, seeds {args.seeds}"
+          f"{', overrides ' + ' '.join(args.overrides) if args.overrides else ''}")
+    for name, runs in results.items():
+        for seed, r in zip(args.seeds, runs):
+            print(f"{name:16} seed {seed}: median step {r['step_ms']:6.1f} ms = {BATCH * BLOCK / r['step_ms'] * 1000:8,.0f} "
+                  f"tokens/s | wall {r['wall_s']:5.0f} s | val loss (whole split, 64-token windows) {r['val']:.4f}")
+    ratios = [n["step_ms"] / o["step_ms"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
+    diffs = [o["val"] - n["val"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
+    print(f"tokens/s ratio (ours / nanoGPT's): {', '.join(f'{r:.2f}x' for r in ratios)}; "
+          f"val loss difference (ours - nanoGPT's): {', '.join(f'{x:+.4f}' for x in diffs)}")
+
+
+if __name__ == "__main__":
+    main()
