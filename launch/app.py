@@ -79,6 +79,8 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
         e.reported = True
         raise
     finally:
+        if trainer is not None:  # a background save still writing: not after the folder is released
+            trainer.snapshots.drain()
         if lock is not None:
             lock.release()
         if not keep_process_group:

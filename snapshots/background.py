@@ -77,6 +77,11 @@ class BackgroundSaves:
             self._finished_at = time.perf_counter()
             self._done.set()
 
+    def drain(self) -> None:
+        """Not collective: wait until this rank's background write (and rank 0's commit) ended,
+        for a launch that ends on an error and must not release the run folder mid-write."""
+        self._done.wait()
+
     def wait(self, newest: Path | None, snap_dir: Path) -> SaveTiming | None:
         """Collective when a save was started. The finished save's timing; StorageError on every
         rank if it failed anywhere (`newest`: the snapshot that stays the resume point)."""

@@ -182,6 +182,12 @@ class SnapshotManager:
         self._timing = self._saves.wait(self.newest, self.snap_dir)
         self.newest = final
 
+    def drain(self) -> None:
+        """Not collective: let a background save in flight end on this rank (a launch ending on an
+        error; every rank drains, so DCP's own collectives complete)."""
+        if self._saves is not None:
+            self._saves.drain()
+
     def pop_timing(self) -> dict:
         """The newest finished save's save_blocking_ms and save_total_ms for the next metrics row
         (a background save's once waited for, at the next save or the end), then nothing."""
