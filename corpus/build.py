@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 import re
 import sys
 from collections import deque
@@ -247,6 +248,18 @@ class ShardWriter:
         return self.shards
 
 
+def start_method() -> str:
+    """fork where it is safe: a worker starts in milliseconds instead of re-importing torch (seconds
+    each, as spawn does), and the workers run no torch op (tokenizers: tiktoken and numpy). Safe
+    only on Linux (macOS: fork is unsafe there) and while this process runs no other thread: a
+    thread that holds a lock at the fork (the allocator's, the import lock, a library's) leaves it
+    held forever in the child, which then hangs. prepare.py's own process has none when the pool
+    starts (the bars come after); a process that ran torch or gloo before (a test session) has
+    some (measured: a test session's worker hung in a futex), and gets spawn."""
+    one_thread = len(os.listdir("/proc/self/task")) == 1 if sys.platform == "linux" else False
+    return "fork" if one_thread else "spawn"
+
+
 def prepare(inputs: list[str], kind: str, out: Path, workers: int, val_fraction: float,
             chunk_bytes: int, shard_tokens: int) -> CorpusRecord:
     files = list_inputs(inputs)
@@ -254,12 +267,7 @@ def prepare(inputs: list[str], kind: str, out: Path, workers: int, val_fraction:
     total = sum(t.end - t.start for t in tasks)
     if kind == "gpt2":
         GPT2Tokenizer()  # the BPE ranks load here first: one clear error instead of one per worker
-    # fork on Linux: a worker starts in milliseconds instead of re-importing torch (seconds each, as
-    # spawn does). The pool forks before this process has run any torch op or started a thread (the
-    # bars come after), and the workers run none (tokenizers: tiktoken and numpy), so no OpenMP or
-    # thread state is inherited half-way. Elsewhere (macOS: fork is unsafe there) spawn.
-    method = "fork" if sys.platform == "linux" else "spawn"
-    with multiprocessing.get_context(method).Pool(workers) if workers > 1 else InProcess() as pool:
+    with multiprocessing.get_context(start_method()).Pool(workers) if workers > 1 else InProcess() as pool:
         chars = None
         if kind == "char":
             with tqdm(total=total, unit="B", unit_scale=True, desc="vocabulary", **BAR) as bar:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 import main as app
 import prepare
 from char_dataset import Batching, TokenDataset
+from corpus.build import start_method
 from corpus.token_files import GPT2_VOCAB, SIDECAR, TokenFiles, open_token_corpus, probe
 from corpus.tokenizers import CharTokenizer, GPT2Tokenizer
 from launch.local import TINY, python
@@ -316,3 +318,15 @@ def test_prepare_bad_input_is_one_line_exit_2_and_leaves_no_shards(tmp_path, cap
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err
     assert list((tmp_path / "o1").iterdir()) == []  # the failed run's shards are gone
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
+
+
+def test_the_pool_forks_only_a_process_without_other_threads():
+    """A fork while another thread holds a lock hangs the child: with a thread running, spawn."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert start_method() == "spawn"
+    finally:
+        stop.set()
+        other.join()
