@@ -88,7 +88,7 @@ class Trainer:
         self.schedule_note: str | None = None  # set by resume() when the LR schedule runs differently
         self._snapshot_decay: int | None = None  # the cosine length the resumed snapshot was trained with
         self.finite = FiniteCheck(strategy)
-        env = strategy.env  # launch/app.py runs train() inside self.watchdog.watching(step)
+        env = strategy.env  # launch/app.py runs resume and train() inside self.watchdog.watching(step)
         self.watchdog = HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,
                                      env.distributed, run_dir)
         self.profiler = StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device)

@@ -59,10 +59,11 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         lock = lock_run_dir(run_dir, env.rank, env.distributed)  # before anything reads the folder
         trainer = build_trainer(cfg, env, run_dir, corpus=corpus)
-        if not _resume(trainer, cfg, env, run_dir):
-            return 0
-        _start(args, cfg, env, trainer, run_dir, auto_lines)
-        summary = train_until_stopped(trainer)
+        with trainer.watchdog.watching(trainer.step):  # hangs from here to the last step (launch/watchdog.py)
+            if not _resume(trainer, cfg, env, run_dir):
+                return 0
+            _start(args, cfg, env, trainer, run_dir, auto_lines)
+            summary = train_until_stopped(trainer)
         if summary.stopped:
             trainer.close_tracker()
             if trainer.strategy.is_tracker:
@@ -170,12 +171,10 @@ def train_until_stopped(trainer: Trainer) -> RunSummary:
     a Ctrl-C reaches a torchrun worker twice (the terminal's, the agent's), and the stop prints one
     line."""
     if threading.current_thread() is not threading.main_thread():  # Python allows handlers only there
-        with trainer.watchdog.watching(trainer.step):
-            return trainer.train()
+        return trainer.train()
     previous = {sig: signal.signal(sig, trainer.stop_request) for sig in STOP_SIGNALS}
     try:
-        with trainer.watchdog.watching(trainer.step):
-            return trainer.train()
+        return trainer.train()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_IGN if trainer.stop_request.signum else handler)

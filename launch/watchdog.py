@@ -5,7 +5,8 @@ driver, a deadlock, a filesystem that never answers, a SIGSTOP) leaves every oth
 its next collective until the process-group timeout (600 s here, 10-30 min on NCCL), and nothing
 says which rank it is. Here every rank runs a thread that watches the step loop's heartbeat
 (`beat`: one assignment per step). When no step finishes within `trainer.hang_timeout_s` (times
-LONG_PHASE_FACTOR for the first steps, which may compile, for evaluation and for snapshot saves;
+LONG_PHASE_FACTOR for start-up up to the first step, for the first steps, which may compile, for
+evaluation and for snapshot saves;
 never less than SLOW_STEP_FACTOR x the slowest step so far), the thread of each live rank:
 
 1. writes its dumps under <run_dir>/hang/attempt<K>/: the Python stack of every thread
@@ -26,7 +27,8 @@ never less than SLOW_STEP_FACTOR x the slowest step so far), the thread of each 
 The flight recorder (TORCH_FR_BUFFER_SIZE, set by parallel/env.py before the process group
 starts) records every collective with its sequence number; on gloo it records no completion
 times and a stopped rank dumps nothing, so the culprit is found by comparing what the live ranks
-report. What is not watched: start-up before the step loop and the outputs after it.
+report. What is not watched: the launch before its Trainer exists (process group, data, model) and
+the outputs after the last step.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ from parallel.env import restart_count, side_store
 HANG_EXIT = 4
 LONG_PHASE_FACTOR = 4  # first steps (compile), evaluation, snapshot saves
 SLOW_STEP_FACTOR = 10  # a step this many times the slowest one so far is not yet a hang
-FIRST_STEPS = 2  # steps of each launch that may compile
+FIRST_STEPS = 2  # steps of each launch that may compile (a launch's step count, not the step number)
 REPO = Path(__file__).resolve().parent.parent
 STORE_TIMEOUT_S = 10.0
 
@@ -64,7 +66,7 @@ def gather_seconds(timeout_s: float) -> float:
 @dataclass(frozen=True)
 class Beat:
     step: int  # optimizer steps finished
-    phase: str  # "first steps" | "train" | "evaluation" | "snapshot"
+    phase: str  # "start-up" | "first steps" | "train" | "evaluation" | "snapshot"
     at: float  # time.monotonic()
 
 
@@ -185,7 +187,7 @@ class HangWatchdog:
         self.local_rank, self.distributed, self.run_dir = local_rank, distributed, run_dir
         self.host = socket.gethostname()
         self._beat = Beat(0, "first steps", time.monotonic())
-        self._first_step = 0
+        self._beats = 0  # steps finished since watching began
         self._slowest = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -197,7 +199,8 @@ class HangWatchdog:
         now, last = time.monotonic(), self._beat
         if last.phase == "train":
             self._slowest = max(self._slowest, now - last.at)
-        self._beat = Beat(step, "first steps" if step < self._first_step + FIRST_STEPS else "train", now)
+        self._beats += 1
+        self._beat = Beat(step, "first steps" if self._beats < FIRST_STEPS else "train", now)
 
     @contextmanager
     def phase(self, name: str):
@@ -211,12 +214,13 @@ class HangWatchdog:
 
     @contextmanager
     def watching(self, step: int):
-        """Watch the step loop that runs inside this block, from `step` on."""
+        """Watch what runs inside this block: the launch's start-up (resume, the first files), then
+        the step loop from `step` on; start-up and the first steps get the long budget."""
         if not self.timeout_s:
             yield
             return
-        self._first_step, self._trainer_thread = step, threading.get_ident()
-        self._beat = Beat(step, "first steps", time.monotonic())
+        self._beats, self._trainer_thread = 0, threading.get_ident()
+        self._beat = Beat(step, "start-up", time.monotonic())
         if self.distributed:
             self._store = self._connect()
         self._stop.clear()
