@@ -211,8 +211,8 @@ def _coerce(key: str, value, ftype):
 
 
 def _set(cfg: Config, dotted: str, value, text: str | None = None) -> None:
-    """`text`: an override's value as typed; a string key keeps it when YAML read it as something
-    else (YAML 1.1 reads 3:2 as the base-60 number 182, 1e3 as a string, 0x10 as 16)."""
+    """`text`: an override's value as typed; a string key keeps it when YAML read a number (YAML 1.1
+    reads 3:2 as the base-60 number 182, 0x10 as 16); a list or mapping stays refused."""
     parts = dotted.split(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
     if len(parts) != 2:
@@ -228,7 +228,7 @@ def _set(cfg: Config, dotted: str, value, text: str | None = None) -> None:
     if key not in hints:
         full = [f"{sec_name}.{k}" for k in hints]
         raise UsageError(f"unknown config key '{dotted}'{_suggest(dotted, full)}")
-    if hints[key] is str and text is not None and not isinstance(value, str):
+    if hints[key] is str and text is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = text
     setattr(section, key, _coerce(dotted, value, hints[key]))
 

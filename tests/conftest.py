@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import device_problem
-from launch.local import CORPUS, TIKTOKEN_DIR, device_env
+from launch.local import CORPUS, TIKTOKEN_DIR, TINY, device_env, torchrun
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 # Before CUDA starts in this process (it starts lazily): the tests that train in this process see
@@ -38,3 +38,20 @@ def _relocated_peak_cache(tmp_path_factory):
     """The measured CPU peaks (perf.py) go to a file of this session, not the user's ~/.cache: a peak
     measured on a machine busy with tests must not stay behind as the user's."""
     os.environ["MINGPT_PEAK_CACHE"] = str(tmp_path_factory.mktemp("peak") / "peak-flops.json")
+
+
+# The fault tests' reference run: ddp over 2 processes, 20 steps, a snapshot every 5, the cosine's
+# length fixed (a run resumed at any step follows the same LR curve), and a 3 s hang timeout (which
+# changes no number, and must not fire on its steps, evaluations and saves). Every test that ends a
+# faulted run bit-identical to an uninterrupted one compares with this one run.
+DDP_REFERENCE = TINY + ["parallel.strategy=ddp", "trainer.max_steps=20", "trainer.save_every=5",
+                        "optimizer.lr_decay_steps=20", "trainer.hang_timeout_s=3"]
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("ddp_reference") / "run"
+    r = torchrun(2, ["main.py", *DDP_REFERENCE, f"trainer.run_dir={run}"], timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not (run / "hang").exists()  # no false alarm of the hang watchdog on steps, evaluation, saves
+    return run

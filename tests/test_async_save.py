@@ -1,5 +1,5 @@
 """Snapshots in the background (trainer.async_save=true): the run trains the same model as with
-synchronous saves, a SIGKILL in the middle of a background write never leaves a snapshot a resume
+ddp_reference saves, a SIGKILL in the middle of a background write never leaves a snapshot a resume
 would take, and a SIGTERM while a save is in flight lets it finish, then saves the stop step.
 Each fault is real: the kill and the signal come from the rank's own background write
 (`MINGPT_FAULT=kill:write:STEP:RANK`, `term:write:...`: as it starts writing its files, while the
@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
-from launch.local import TINY, torchrun
+from conftest import DDP_REFERENCE
+from launch.local import torchrun
 from snapshots.store import list_snapshots, validate_snapshot
 
-COMMON = TINY + ["parallel.strategy=ddp", "trainer.max_steps=20", "trainer.save_every=5",
-                 "optimizer.lr_decay_steps=20"]
-ASYNC = COMMON + ["trainer.async_save=true"]
+ASYNC = DDP_REFERENCE + ["trainer.async_save=true"]
 RESTART = ["--max-restarts=1", "--monitor-interval=0.2"]
 
 
@@ -33,19 +31,11 @@ def valid_steps(run) -> list[int]:
     return sorted(int(p.name[5:]) for p in list_snapshots(run / "snapshots") if validate_snapshot(p)[0] is not None)
 
 
-@pytest.fixture(scope="module")
-def synchronous(tmp_path_factory):
-    run = tmp_path_factory.mktemp("sync") / "run"
-    r = torchrun(2, ["main.py", *COMMON, f"trainer.run_dir={run}"], timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run
-
-
-def test_background_saves_train_the_same_model_and_log_their_timings(synchronous, tmp_path):
+def test_background_saves_train_the_same_model_and_log_their_timings(ddp_reference, tmp_path):
     run = tmp_path / "run"
     r = torchrun(2, ["main.py", *ASYNC, f"trainer.run_dir={run}"], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert_same_model(synchronous, run)
+    assert_same_model(ddp_reference, run)
     assert valid_steps(run) == [15, 20]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # each save's timings on the first log row after it was waited for (by the next save: the
@@ -55,7 +45,7 @@ def test_background_saves_train_the_same_model_and_log_their_timings(synchronous
     assert all(0 < row["save_blocking_ms"] <= row["save_total_ms"] for row in timed)
 
 
-def test_a_kill_during_a_background_write_leaves_no_snapshot_and_the_restart_matches(synchronous, tmp_path):
+def test_a_kill_during_a_background_write_leaves_no_snapshot_and_the_restart_matches(ddp_reference, tmp_path):
     """Rank 1 is SIGKILLed as it starts writing snapshot 10 in the background: the temporary folder
     is never committed, torchrun restarts the group, which resumes from step 5 and ends bit-identical."""
     run = tmp_path / "run"
@@ -63,7 +53,7 @@ def test_a_kill_during_a_background_write_leaves_no_snapshot_and_the_restart_mat
                  MINGPT_FAULT="kill:write:10:1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {run / 'snapshots' / 'step_0000005'} at step 5" in r.stdout, r.stdout[-3000:]
-    assert_same_model(synchronous, run)
+    assert_same_model(ddp_reference, run)
 
 
 def test_sigterm_while_a_save_is_in_flight_finishes_it_then_saves_the_stop_step(tmp_path):

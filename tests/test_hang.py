@@ -12,14 +12,13 @@ import re
 import socket
 from pathlib import Path
 
-import pytest
 import torch
 
-from launch.local import TINY, torchrun
+from conftest import DDP_REFERENCE
+from launch.local import torchrun
 from launch.watchdog import HANG_EXIT, RankReport, compact_ranks, hang_line
 
-COMMON = TINY + ["parallel.strategy=ddp", "trainer.max_steps=20", "trainer.save_every=5",
-                 "optimizer.lr_decay_steps=20", "trainer.hang_timeout_s=3"]
+COMMON = DDP_REFERENCE  # trainer.hang_timeout_s=3
 RESTART = ["--max-restarts=1", "--monitor-interval=0.2", "--shutdown-timeout=3"]  # the frozen rank: SIGKILL 3 s after its SIGTERM
 HOST = socket.gethostname()
 
@@ -47,16 +46,7 @@ def test_the_line_names_who_did_not_arrive_and_where_the_others_wait(tmp_path):
     assert compact_ranks([3]) == "rank 3" and compact_ranks([0, 1, 2, 5]) == "ranks 0-2, 5"
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ddp") / "run"
-    r = torchrun(2, ["main.py", *COMMON, f"trainer.run_dir={run}"], timeout=240)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert not (run / "hang").exists()  # no false alarm on ordinary steps, evaluation and saves
-    return run
-
-
-def test_sigstop_names_the_frozen_rank_and_the_restart_ends_bit_identical(uninterrupted, tmp_path):
+def test_sigstop_names_the_frozen_rank_and_the_restart_ends_bit_identical(ddp_reference, tmp_path):
     """`stop:update:12:1`: rank 1 freezes after step 12. Rank 0's watchdog names it within ~3 s
     (+ 5 s for the reports it never sends), points at the collective rank 0 waits in, and exits 4;
     torchrun SIGKILLs the frozen rank and restarts the group, which resumes from step 10."""
@@ -76,7 +66,7 @@ def test_sigstop_names_the_frozen_rank_and_the_restart_ends_bit_identical(uninte
     assert (dumps / "fr_trace_rank_0").stat().st_size > 0 and "(training)" in (dumps / "stacks_rank_0.txt").read_text()
     assert not (dumps / "fr_trace_rank_1").exists()  # a stopped rank dumps nothing
     assert f"resumed from {run / 'snapshots' / 'step_0000010'} at step 10" in r.stdout, out[-4000:]
-    a, b = model(uninterrupted / "model.pt"), model(run / "model.pt")
+    a, b = model(ddp_reference / "model.pt"), model(run / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

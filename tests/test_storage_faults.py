@@ -101,16 +101,8 @@ def single_uninterrupted(tmp_path_factory):
     return run
 
 
-@pytest.fixture(scope="module")
-def ddp_uninterrupted(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ddp") / "run"
-    r = torchrun(2, ["main.py", *DDP, f"trainer.run_dir={run}"], timeout=240)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return run
-
-
 def test_full_disk_under_torchrun_stops_every_rank_and_a_relaunch_after_freeing_space_matches(
-        ddp_uninterrupted, tmp_path):
+        ddp_reference, tmp_path):
     """2 ranks on a 3 MB tmpfs: snapshots 5 and 10 fit, 15 does not. Both ranks stop with the one
     line (exit 3, no traceback, no hang); the restart that --max-restarts makes stops at start-up
     (the disk is still full) instead of training up to the same save; after `remount,size=64m`
@@ -136,10 +128,10 @@ def test_full_disk_under_torchrun_stops_every_rank_and_a_relaunch_after_freeing_
         r = torchrun(2, cmd, timeout=240)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert f"resumed from {snaps / 'step_0000010'} at step 10" in r.stdout, r.stdout[-2000:]
-        assert_bit_identical(ddp_uninterrupted / "model.pt", run / "model.pt")
+        assert_bit_identical(ddp_reference / "model.pt", run / "model.pt")
 
 
-def test_io_error_on_one_rank_stops_both_and_the_restart_finishes(ddp_uninterrupted, tmp_path):
+def test_io_error_on_one_rank_stops_both_and_the_restart_finishes(ddp_reference, tmp_path):
     """`eio:save:10:1`: only rank 1's write of snapshot 10 fails (EIO inside DCP's file write).
     Rank 0, whose own files were written, stops with the same line; torchrun's restart (an I/O
     error may be transient) resumes from step 5 and ends bit-identical."""
@@ -154,7 +146,7 @@ def test_io_error_on_one_rank_stops_both_and_the_restart_finishes(ddp_uninterrup
         f"newest valid snapshot {snaps / 'step_0000005'} stays the resume point; check the storage (an I/O "
         f"error: a failing disk or a lost network mount) and relaunch the same command"), out[-4000:]
     assert no_traceback_but_torchruns(out) and f"resumed from {snaps / 'step_0000005'} at step 5" in r.stdout, out[-4000:]
-    assert_bit_identical(ddp_uninterrupted / "model.pt", run / "model.pt")
+    assert_bit_identical(ddp_reference / "model.pt", run / "model.pt")
 
 
 def test_filesystem_turning_read_only_mid_save_then_relaunch_matches(single_uninterrupted, tmp_path,
