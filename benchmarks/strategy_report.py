@@ -99,22 +99,6 @@ def config(overrides: list[str], run_dir: Path):
 # ----------------------------------------------------------------------------- worker (each rank)
 
 
-def _groups(strategy) -> dict[tuple[int, ...], str]:
-    """Ranks of this rank's groups -> the planner's group name (dp, tp, pp, tied)."""
-    import torch.distributed as dist
-
-    out = {}
-    lay = strategy.layout
-    for dim in ("pp", "dp", "tp", "dp_replicate", "dp_shard"):  # the last two: HSDP's sub-groups of dp
-        if getattr(lay, dim) > 1 and dim in strategy.mesh.mesh_dim_names + ("dp",):
-            ranks = tuple(sorted(dist.get_process_group_ranks(strategy.mesh[dim].get_group())))
-            out[ranks] = "dp" if dim.startswith("dp") else dim
-    tied = getattr(strategy.runner, "tied_group", None)
-    if tied is not None:
-        out.setdefault(tuple(sorted(dist.get_process_group_ranks(tied))), "tied")
-    return out
-
-
 def planner_kind(call, groups: dict[tuple[int, ...], str]) -> str:
     """The planner's collective kind of a measured call: tp for anything on the tp group, send-recv
     for what a pipeline stage sends, the dp collectives by name (the project's gloo reduce-scatter is
@@ -136,6 +120,7 @@ def planner_kind(call, groups: dict[tuple[int, ...], str]) -> str:
 def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
     import torch.distributed as dist
 
+    from costs.fake_world import group_names
     from launch.build import build_trainer
     from parallel.env import init_distributed
 
@@ -161,7 +146,7 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
         memory = s.resident_bytes(trainer.optimizer)
         trainer.optimizer_step()
     s.clip_grad_norm_ = clip
-    groups = _groups(s)
+    groups = group_names(s)  # the dry run reads the groups the same way
     by_kind: dict[str, dict[str, float]] = {}
     ops: dict[str, int] = {}
     for c in counter.calls:
