@@ -68,14 +68,23 @@ def model_flops_per_token(g: GPTConfig) -> float:
 
 
 def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link, str]:
-    """(ranks in the group, the link it runs on, its name) by where parallel/layout.py puts it."""
+    """(ranks in the group, the link it runs on, its name) by where parallel/layout.py puts it.
+
+    A group across nodes with k of its ranks in each node runs k rings side by side, each
+    leaving the node through another rank's network card (NCCL's channels): the ring moves k
+    times one card's bandwidth, up to the link inside the node that carries every ring."""
     size, stride = {"dp": (lay.dp, lay.tp), "dp_shard": (lay.dp_shard, lay.tp),
                     "dp_replicate": (lay.dp_replicate, lay.dp_shard * lay.tp), "tp": (lay.tp, 1),
                     "pp": (2, lay.dp * lay.tp), "tied": (2, lay.dp * lay.tp * max(1, lay.pp - 1))}[group]
     world, per_node = lay.dp * lay.tp * lay.pp, hw.devices_per_node
     span = size * stride
-    inside = world <= per_node or (span <= per_node and per_node % span == 0)
-    return size, (hw.intra_node if inside else hw.inter_node), ("intra-node" if inside else "inter-node")
+    if world <= per_node or (span <= per_node and per_node % span == 0):
+        return size, hw.intra_node, "intra-node"
+    in_node = max(1, min(size, per_node // stride)) if group not in ("pp", "tied") else 1  # a send: one card
+    if in_node == 1:
+        return size, hw.inter_node, "inter-node"
+    bandwidth = min(in_node * hw.inter_node.bandwidth, hw.intra_node.bandwidth)
+    return size, Link(bandwidth, hw.inter_node.latency), f"inter-node, {in_node} cards"
 
 
 def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple[float, str]:

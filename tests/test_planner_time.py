@@ -9,12 +9,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import main as app
 from config import load_config
 from costs import planner
-from costs.hardware import load_hardware
+from costs.hardware import Link, load_hardware
 from costs.timing import group_link
 from launch.local import TINY
 
@@ -49,6 +51,22 @@ def test_step_time_terms_on_gpu_nodes(tmp_path):
     ac = _plan_layout(tmp_path, 16, "parallel.strategy=fsdp", "parallel.activation_checkpointing=true")
     terms = {t.name: t for t in ac.time.terms}
     assert terms["recompute"].seconds == pytest.approx(terms["compute"].seconds / 3, rel=0.05)
+
+
+def test_a_group_across_nodes_moves_one_card_per_member_in_a_node(tmp_path):
+    # NCCL runs one ring per member of the group inside a node, each through its own card: fsdp
+    # over 64 ranks (8 per node) moves 8 cards' worth; under tp 8 a dp group has one rank per node
+    hw = load_hardware("h100-sxm")
+    flat = _plan_layout(tmp_path, 64, "parallel.strategy=fsdp").layout
+    size, link, where = group_link(flat, "dp", hw)
+    assert (size, where) == (64, "inter-node, 8 cards")
+    assert link.bandwidth == 8 * hw.inter_node.bandwidth and link.latency == hw.inter_node.latency
+    tp8 = _plan_layout(tmp_path, 64, "parallel.strategy=fsdp", "parallel.tp=8", "model.n_head=16").layout
+    assert group_link(tp8, "dp", hw)[1:] == (hw.inter_node, "inter-node")
+    # capped by the link inside the node, which carries every ring: a100 has 8 x 25 < 300 GB/s,
+    # a file with faster cards gets NVLink's bandwidth
+    fast = dataclasses.replace(hw, inter_node=Link(100e9, 1e-5))
+    assert group_link(flat, "dp", fast)[1].bandwidth == hw.intra_node.bandwidth
 
 
 def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):

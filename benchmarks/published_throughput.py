@@ -1,0 +1,103 @@
+"""The planner's predicted throughput beside a published table of measured throughput.
+
+    python benchmarks/published_throughput.py
+
+The table: MosaicML's MPT training benchmarks (llm-foundry, scripts/train/benchmarking/README.md,
+https://github.com/mosaicml/llm-foundry/tree/main/scripts/train/benchmarking), measured with
+FSDP FULL_SHARD (this project's `parallel.strategy=fsdp`), bf16 autocast, sequence 2048, on DGX
+nodes of 8 A100-80GB (1600 Gb/s RoCE between nodes) and of 8 H100-80GB. The rows here are those
+without activation checkpointing. MPT blocks are GPT-2 blocks with biases and 4x MLPs (the
+published parameter counts match 12 h^2 + 13 h per block, a learned position embedding and a tied
+embedding of 50,368 tokens; here GPT-2's 50,257: 0.1-0.3% of the parameters). What differs:
+MPT runs FlashAttention and fused Triton kernels, this project's GPU path runs PyTorch SDPA.
+
+Each row goes through the same `costs.planner.plan_layout` and `--hardware` description that
+`python main.py --plan` ranks layouts by; the script prints predicted and published tokens/s per
+GPU and MFU, and their ratio. Nothing runs on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+
+import _repo  # noqa: F401  (the repository on sys.path)
+
+from config import load_config
+from costs import planner
+
+SOURCE = "https://github.com/mosaicml/llm-foundry/tree/main/scripts/train/benchmarking"
+MPT = {  # name -> (layers, width, heads) of llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml
+    "125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
+    "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    hardware: str  # costs/hardware/NAME.yaml
+    model: str  # MPT key
+    gpus: int
+    micro_batch: int  # sequences per GPU per forward/backward
+    grad_accum: int
+    global_batch: int  # sequences per optimizer step
+    tokens_per_gpu: float  # published Throughput (T/s/GPU)
+    mfu: float  # published MFU, percent
+
+
+# seq 2048, FULL_SHARD, amp_bf16, no activation checkpointing, copied from the two tables
+ROWS = [
+    Row("a100-80gb", "125m", 8, 40, 2, 640, 142830, 44.79),
+    Row("a100-80gb", "350m", 8, 32, 2, 512, 58782, 51.62),
+    Row("a100-80gb", "760m", 8, 24, 2, 384, 32434, 56.85),
+    Row("a100-80gb", "1b", 8, 14, 4, 448, 20513, 59.86),
+    Row("a100-80gb", "3b", 8, 10, 2, 160, 10811, 62.11),
+    Row("a100-80gb", "7b", 8, 6, 2, 96, 4641, 64.23),
+    Row("a100-80gb", "13b", 8, 2, 3, 48, 2262, 59.57),
+    Row("h100-sxm", "760m", 8, 24, 2, 384, 63147, 34.90),
+    Row("h100-sxm", "760m", 32, 24, 1, 768, 67971, 37.57),
+    Row("h100-sxm", "1b", 8, 14, 1, 112, 45455, 41.82),
+    Row("h100-sxm", "1b", 64, 20, 1, 1280, 44402, 40.85),
+    Row("h100-sxm", "3b", 16, 10, 3, 480, 24142, 43.73),
+    Row("h100-sxm", "3b", 64, 6, 3, 1152, 22525, 40.80),
+    Row("h100-sxm", "7b", 8, 6, 1, 48, 10643, 46.44),
+    Row("h100-sxm", "13b", 8, 2, 1, 16, 4792, 39.79),
+    Row("h100-sxm", "13b", 64, 2, 1, 128, 4800, 39.86),
+]
+
+
+def predict(row: Row):
+    layers, width, heads = MPT[row.model]
+    cfg = load_config(None, [
+        "data.tokenizer=gpt2", f"model.n_layer={layers}", f"model.n_embd={width}", f"model.n_head={heads}",
+        "model.block_size=2048", "model.dropout=0.0", "model.bias=true", f"trainer.batch_size={row.global_batch}",
+        f"trainer.micro_batch_size={row.micro_batch}", "trainer.precision=bf16", "parallel.strategy=fsdp",
+        "parallel.mixed_precision=bf16"])
+    g = planner.gpt_config(cfg, planner.vocab_size(cfg)[0])
+    hw = planner.load_hardware(row.hardware, "bf16")
+    lay = planner.check_layout(cfg, row.gpus)
+    return planner.plan_layout(cfg, g, lay, True, None, hw).time
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    print(f"published: MosaicML llm-foundry MPT benchmarks ({SOURCE}); predicted: costs/timing.py")
+    print(f"{'hardware':10s} {'model':5s} {'GPUs':>4s} {'mb x accum':>10s} {'tok/s/GPU pred':>15s} "
+          f"{'published':>10s} {'ratio':>6s} {'MFU pred':>9s} {'published':>9s}  largest terms")
+    ratios: dict[str, list[float]] = {}
+    for row in ROWS:
+        t = predict(row)
+        per_gpu = t.tokens_per_s / row.gpus
+        ratio = per_gpu / row.tokens_per_gpu
+        ratios.setdefault(row.hardware, []).append(ratio)
+        terms = ", ".join(f"{x.name} {1000 * x.exposed:.0f} ms"
+                          for x in sorted(t.terms, key=lambda x: -x.exposed)[:2])
+        print(f"{row.hardware:10s} {row.model:5s} {row.gpus:4d} {f'{row.micro_batch} x {row.grad_accum}':>10s} "
+              f"{per_gpu:15,.0f} {row.tokens_per_gpu:10,.0f} {ratio:6.2f} {100 * t.mfu:8.1f}% {row.mfu:8.1f}%  {terms}")
+    for hw, rs in ratios.items():
+        print(f"{hw}: predicted / published tokens/s per GPU: median {statistics.median(rs):.2f}, "
+              f"range {min(rs):.2f}-{max(rs):.2f} over {len(rs)} rows")
+
+
+if __name__ == "__main__":
+    main()
