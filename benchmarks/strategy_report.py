@@ -14,7 +14,8 @@ warm-up step:
   (measure.SavedBytes); every collective the strategy issued with its payload bytes, counted at the
   dispatcher (measure.CollectiveCounter: the c10d ops that DDP's C++ reducer, FSDP2, the project's
   ZeRO and the pipeline issue, and the functional collectives of DTensor);
-- STEPS steps timed with nothing attached: step time, tokens/s, the pipeline bubble (1 - the stage's
+- REPEATS runs of STEPS steps timed with nothing attached: step time (the median run), tokens/s,
+  the predicted step time (costs/timing.py on `--hardware local`, what `--plan` ranks by), the pipeline bubble (1 - the stage's
   compute time / the schedule step's time, mean over ranks) and the bytes the loopback interface
   transmitted per step (every rank's traffic, TCP/IP headers included; approximate when anything
   else uses `lo`, which the lock keeps to the launcher's own store traffic).
@@ -39,9 +40,11 @@ from pathlib import Path
 import _repo  # noqa: F401  (the repository on sys.path)
 import matplotlib
 import matplotlib.pyplot as plt
+import torch
 
 from config import UsageError, load_config
 from costs import planner
+from costs.hardware import Hardware
 from costs.measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes
 from launch.errors import reject_dashed_overrides
 from launch.local import CORPUS, torchrun_until
@@ -55,7 +58,7 @@ MODEL = [f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=8", "mode
          "trainer.device=cpu", "wandb.enabled=false"]
 MEMORY = ("params", "grads", "optimizer", "activations_per_microbatch")
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")
-MEMORY_BAR, BYTES_BAR = 0.05, 0.02
+MEMORY_BAR, BYTES_BAR, TIME_BAR = 0.05, 0.02, 0.20
 SLACK = 64  # bytes: a category predicted as 0 may measure this much
 
 
@@ -117,7 +120,7 @@ def planner_kind(call, groups: dict[tuple[int, ...], str]) -> str:
     return f"other {call.kind} on {group}"
 
 
-def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
+def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     from costs.fake_world import group_names
@@ -161,12 +164,16 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
     sched = [0.0]
     if pipe:
         add_timer(pipe.schedule, "step", sched)
-    dist.barrier()
-    wire0, t0 = loopback_tx_bytes(), time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    dist.barrier()
-    seconds, wire = (time.perf_counter() - t0) / steps, (loopback_tx_bytes() - wire0) / steps
+    chunks = []  # mean step time of each of `repeats` runs of `steps` steps, barrier to barrier
+    wire0 = loopback_tx_bytes()
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step()
+        dist.barrier()
+        chunks.append((time.perf_counter() - t0) / steps)
+    seconds, wire = statistics.median(chunks), (loopback_tx_bytes() - wire0) / (steps * repeats)
     mine = {**memory, "activations_per_microbatch": saved.nbytes // s.layout.microbatches,
             "pp_rank": s.coordinate.pp, "collectives": by_kind, "ops": ops,
             "busy": clock.busy[0] if clock else 0.0, "schedule_s": sched[0]}
@@ -174,7 +181,8 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int) -> dict:
     dist.all_gather_object(everyone, mine)
     bubble = (statistics.mean(1 - r["busy"] / max(x["schedule_s"] for x in everyone) for r in everyone)
               if pipe else None)
-    return {"ranks": everyone, "step_s": seconds, "wire_bytes_per_step": wire, "bubble": bubble}
+    return {"ranks": everyone, "step_s": seconds, "step_runs_s": chunks, "wire_bytes_per_step": wire,
+            "bubble": bubble}
 
 
 def worker(args) -> None:
@@ -183,7 +191,7 @@ def worker(args) -> None:
     results = {}
     tmp = Path(tempfile.mkdtemp(prefix="strategy-report-"))
     for i, (name, overrides) in enumerate(args.case):
-        results[name] = measure_layout(overrides.split(), tmp / f"run{i}", args.steps)
+        results[name] = measure_layout(overrides.split(), tmp / f"run{i}", args.steps, args.repeats)
         dist.barrier()
     if dist.get_rank() == 0:
         Path(args.json).write_text(json.dumps(results))
@@ -223,18 +231,29 @@ class LayoutReport:
     moved_total_predicted: int
     moved_total_measured: float  # ring volumes of the measured payloads, all ranks
     wire_bytes_per_step: float  # loopback, all ranks
-    step_s: float
+    step_s: float  # the median of the timed runs
+    step_runs_s: list[float]  # each run's mean step time
+    step_predicted_s: float  # costs/timing.py on --hardware local
+    time_terms: list[tuple[str, float]]  # the prediction's terms: name, exposed seconds
     tokens_per_s: float
     bubble_predicted: float | None
     bubble_measured: float | None
     fullest_pp_rank: int
     ok: bool = field(default=False)
 
+    @property
+    def time_ratio(self) -> float:
+        return self.step_s / self.step_predicted_s
 
-def compare(name: str, overrides: str, got: dict, user: list[str], n: int) -> LayoutReport:
+    @property
+    def time_ok(self) -> bool:
+        return abs(self.time_ratio - 1) <= TIME_BAR
+
+
+def compare(name: str, overrides: str, got: dict, user: list[str], n: int, hw: Hardware) -> LayoutReport:
     cfg = config(overrides.split() + user, Path(tempfile.gettempdir()) / "strategy-report-plan")
     g = planner.gpt_config(cfg, planner.vocab_size(cfg)[0])
-    lp = planner.plan_layout(cfg, g, planner.check_layout(cfg, n), True, None)
+    lp = planner.plan_layout(cfg, g, planner.check_layout(cfg, n), True, None, hw)
     ranks = got["ranks"]
     memory = []
     for want in lp.per_pp_rank:
@@ -253,7 +272,8 @@ def compare(name: str, overrides: str, got: dict, user: list[str], n: int) -> La
     tokens = cfg.trainer.batch_size * cfg.model.block_size
     rep = LayoutReport(name, overrides, lp.name, memory, checks, busiest["collectives"], ranks[0]["ops"],
                        lp.moved_bytes_total, sum(moved(r) for r in ranks), got["wire_bytes_per_step"],
-                       got["step_s"], tokens / got["step_s"], lp.bubble if lp.layout.pp > 1 else None,
+                       got["step_s"], got["step_runs_s"], lp.time.step_s,
+                       [(t.name, t.exposed) for t in lp.time.terms], tokens / got["step_s"], lp.bubble if lp.layout.pp > 1 else None,
                        got["bubble"], lp.memory.pp_rank)
     rep.ok = all(c.ok for c in memory + checks)
     return rep
@@ -270,7 +290,19 @@ def ratio(c: Check) -> str:
     return f"{c.ratio:.3f}" if c.ratio is not None else ("-" if not c.measured else "unpredicted")
 
 
-def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, steps: int) -> str:
+def _ranking(reps: list[LayoutReport]) -> str:
+    """How many pairs of layouts the prediction orders as the measurement does (pairs whose
+    measured runs overlap are ties: either order agrees)."""
+    pairs = same = 0
+    for i, a in enumerate(reps):
+        for b in reps[i + 1:]:
+            pairs += 1
+            overlap = min(a.step_runs_s) <= max(b.step_runs_s) and min(b.step_runs_s) <= max(a.step_runs_s)
+            same += overlap or (a.step_s < b.step_s) == (a.step_predicted_s < b.step_predicted_s)
+    return f"{same} of {pairs} pairs ordered alike (pairs whose measured runs overlap count as ties)"
+
+
+def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, steps: int, hw_source: str) -> str:
     out = [f"# Strategy report: {n} processes, predicted vs measured", "",
            f"Produced by `python benchmarks/strategy_report.py {' '.join(argv)}` (CPU, gloo, {n} processes on "
            f"one machine; {steps} timed steps per layout after one measured step).", "",
@@ -317,17 +349,25 @@ def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, ste
                    + (f"{wire:.3f}" if wire else "-") + " |")
     out += ["", "Cells: predicted / measured (measured / predicted).", "",
             "## Time", "",
-            "Step time is the mean over the timed steps (barrier to barrier, rank 0), tokens/s the global batch's "
-            "tokens over it. The bubble is 1 - a rank's compute time (its stages' forward, backward and weight "
+            "Step time is the median of the timed runs' mean step times (barrier to barrier, rank 0), tokens/s the "
+            "global batch's tokens over it. The bubble is 1 - a rank's compute time (its stages' forward, backward and weight "
             "chunks and the loss) / the schedule step's time, averaged over ranks; prediction (p-1)/(v m+p-1) "
             "assumes one core per rank and free communication. With more processes than cores a rank waiting for "
             "a peer also waits for a core, so the measured bubble here is the schedule's plus the oversubscription's; "
             "benchmarks/pp_bubble.py at p=2 (one core per rank) measures the schedule alone.", "",
-            "| layout | step ms | tokens/s | bubble predicted | bubble measured |", "|---|---|---|---|---|"]
+            f"Predicted: costs/timing.py on `--hardware local` ({hw_source}), the same formulas `--plan` "
+            f"ranks layouts by; measured: the median of {len(reps[0].step_runs_s)} runs of {steps} steps. Bar: "
+            f"{TIME_BAR:.0%}. Within it: {sum(r.time_ok for r in reps)} of {len(reps)}. Ranking by time: "
+            f"{_ranking(reps)}.", "",
+            "| layout | predicted ms | measured ms | runs (min-max) | measured / predicted | tokens/s | "
+            "largest predicted terms | bubble predicted | bubble measured |", "|---|---|---|---|---|---|---|---|---|"]
     for r in reps:
         bp = f"{r.bubble_predicted:.2f}" if r.bubble_predicted is not None else "-"
         bm = f"{r.bubble_measured:.2f}" if r.bubble_measured is not None else "-"
-        out.append(f"| {r.name} | {1000 * r.step_s:.1f} | {r.tokens_per_s:,.0f} | {bp} | {bm} |")
+        terms = ", ".join(f"{name} {1000 * t:.1f}" for name, t in sorted(r.time_terms, key=lambda x: -x[1])[:3])
+        out.append(f"| {r.name} | {1000 * r.step_predicted_s:.1f} | {1000 * r.step_s:.1f} | "
+                   f"{1000 * min(r.step_runs_s):.1f}-{1000 * max(r.step_runs_s):.1f} | {r.time_ratio:.2f}"
+                   f"{'' if r.time_ok else ' (outside)'} | {r.tokens_per_s:,.0f} | {terms} | {bp} | {bm} |")
     bad = [(r.name, c) for r in reps for c in r.memory + r.moved if not c.ok]
     if bad:
         out += ["", "## Outside the bars", ""]
@@ -389,19 +429,18 @@ def plots(reps: list[LayoutReport], out: Path, n: int) -> None:
     plt.close(fig)
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    a1.bar(names, [r.tokens_per_s for r in reps], color="#2b5d8a")
-    a1.set_ylabel("tokens / s")
-    a1.set_title(f"Throughput ({n} processes on 2 CPU cores)")
+    _bars(a1, names, [1000 * r.step_predicted_s for r in reps], [1000 * r.step_s for r in reps], "ms per step")
+    a1.errorbar([i + 0.2 for i in range(len(reps))], [1000 * r.step_s for r in reps], fmt="none", ecolor="black",
+                yerr=[[1000 * (r.step_s - min(r.step_runs_s)) for r in reps],
+                      [1000 * (max(r.step_runs_s) - r.step_s) for r in reps]], capsize=2)
+    a1.set_title(f"Step time, predicted vs measured (median, runs min-max), {n} processes")
+    a1.legend()
     pp = [r for r in reps if r.bubble_measured is not None]
     if pp:
         _bars(a2, [r.name for r in pp], [r.bubble_predicted for r in pp], [r.bubble_measured for r in pp],
               "idle fraction of a schedule step")
         a2.set_title("Pipeline bubble")
         a2.legend()
-    for ax in (a1,):
-        ax.tick_params(axis="x", rotation=35, labelsize=8)
-        for lab in ax.get_xticklabels():
-            lab.set_ha("right")
     fig.tight_layout()
     fig.savefig(out / "time.png", dpi=70)
     plt.close(fig)
@@ -412,12 +451,14 @@ def main() -> None:
         ap = argparse.ArgumentParser()
         ap.add_argument("--json", required=True)
         ap.add_argument("--steps", type=int, required=True)
+        ap.add_argument("--repeats", type=int, required=True)
         ap.add_argument("--case", nargs=2, action="append", default=[])
         return worker(ap.parse_args())
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, required=True, help="processes (ranks) to measure")
     ap.add_argument("--out", required=True, help="folder for report.md, report.json and the plots")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per layout (default 4)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per layout; the median is reported (default 5)")
     ap.add_argument("--layouts", default="", help="comma-separated layout names (default: all that fit)")
     ap.add_argument("overrides", nargs="*", help="config overrides of the report's model, e.g. model.n_embd=128")
     argv = sys.argv[1:]
@@ -428,6 +469,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.nproc < 2:
         ap.exit(2, "error: --nproc must be >= 2 (a layout needs at least two processes)\n")
+    if args.steps < 1 or args.repeats < 1:
+        ap.exit(2, "error: --steps and --repeats must be >= 1\n")
     try:
         model = planner.plan(config(args.overrides, Path("unused")), 1).model
     except UsageError as e:
@@ -452,21 +495,27 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "measured.json"
-        cmd = [__file__, "--json", str(raw), "--steps", str(args.steps)]
+        cmd = [__file__, "--json", str(raw), "--steps", str(args.steps), "--repeats", str(args.repeats)]
         for name, overrides in cases.items():
             cmd += ["--case", name, " ".join(overrides.split() + args.overrides)]
         r = torchrun_until(args.nproc, cmd, timeout_s=900, capture=True)
         if r.returncode != 0:
             sys.exit(f"error: the measuring launch failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
         measured = json.loads(raw.read_text())
-    reps = [compare(name, overrides, measured[name], args.overrides, args.nproc) for name, overrides in cases.items()]
+    torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
+    hw = planner.load_hardware("local", config(args.overrides, Path("unused")).trainer.precision)
+    reps = [compare(name, overrides, measured[name], args.overrides, args.nproc, hw)
+            for name, overrides in cases.items()]
     (out / "report.json").write_text(json.dumps({
         "nproc": args.nproc, "model": model, "bars": {"memory": MEMORY_BAR, "bytes": BYTES_BAR},
-        "refused": refused, "layouts": [asdict(x) | {"ok": x.ok} for x in reps]}, indent=1))
-    (out / "report.md").write_text(markdown(reps, args.nproc, argv, model, args.steps))
+        "refused": refused, "hardware": hw.source,
+        "layouts": [asdict(x) | {"ok": x.ok, "time_ratio": x.time_ratio, "time_ok": x.time_ok} for x in reps]},
+        indent=1))
+    (out / "report.md").write_text(markdown(reps, args.nproc, argv, model, args.steps, hw.source))
     plots(reps, out, args.nproc)
     for x in reps:
-        print(f"{x.name:28s} {'ok' if x.ok else 'OUTSIDE THE BARS'}  step {1000 * x.step_s:.1f} ms")
+        print(f"{x.name:28s} {'ok' if x.ok else 'OUTSIDE THE BARS'}  step {1000 * x.step_s:.1f} ms, "
+              f"predicted {1000 * x.step_predicted_s:.1f} ms ({x.time_ratio:.2f}x{'' if x.time_ok else ', outside'})")
     print(f"wrote {out / 'report.md'}, report.json, memory.png, bytes.png, time.png")
 
 

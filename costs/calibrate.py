@@ -7,7 +7,11 @@
   (2 ranks: 2 steps), an 8 MB one the bandwidth (2 ranks: each sends K);
 - memory bandwidth: the best copy of a 64 MB tensor (the optimizer step streams model state);
 - block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
-  remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads).
+  remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
+- compute efficiency: forward + backward of a 256-wide block on 8 x 128 tokens (about 10 GFLOP),
+  less the block overhead, against the peak: the fraction of the matmul peak a GPT block's
+  matmuls, attention and element-wise work reach together (0.7-0.8 on the 2-core machine; a
+  narrower model reaches less, which the overhead term partly covers).
 
 The last three are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
@@ -33,7 +37,9 @@ from model import Block, GPTConfig
 from observe.perf import cpu_peak, machine_fingerprint, peak_cache_path
 from storage.files import atomic_write_text
 
-UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3}
+UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
+                "compute_efficiency": 0.7}
+EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 SMALL, LARGE = 1, 2 * 2**20  # float32 elements of the latency and the bandwidth all-reduce
 
 
@@ -61,7 +67,7 @@ def local_figures(precision: str, spawn: bool = True) -> dict:
     return {"name": "local", "source": f"this machine ({how})", "devices_per_node": per_node,
             "memory": f"{ram // per_node}B", "peak_flops": {precision: peak, "fp32": cpu_peak("fp32")[0]},
             "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
-            "compute_efficiency": 1.0, "block_overhead": cached["block_overhead"]}
+            "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"]}
 
 
 def _read(path: Path) -> dict:
@@ -84,7 +90,13 @@ def _store(path: Path, key: str, figures: dict) -> None:
 
 
 def measure_local() -> dict:
-    return {**measure_link(), "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": measure_block_overhead()}
+    overhead = measure_block(32, 16, 1, repeats=20)
+    width, positions, sequences = EFFICIENCY_BLOCK
+    seconds = measure_block(width, positions, sequences, repeats=3)
+    flops = 3 * sequences * positions * (24 * width * width + 4 * positions * width)  # forward + backward
+    efficiency = min(1.0, flops / (cpu_peak("fp32")[0] * max(seconds - overhead, 1e-9)))
+    return {**measure_link(), "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": overhead,
+            "compute_efficiency": efficiency}
 
 
 def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float:
@@ -95,10 +107,10 @@ def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float
     return 2 * a.numel() * a.element_size() / best
 
 
-def measure_block_overhead(repeats: int = 20) -> float:
-    """Seconds of forward + backward of a GPT block of 32 wide on 16 positions (tens of kFLOPs)."""
-    block = Block(GPTConfig(block_size=16, n_embd=32, n_head=4))
-    x = torch.randn(1, 16, 32, requires_grad=True)
+def measure_block(width: int, positions: int, sequences: int, repeats: int) -> float:
+    """The best seconds of forward + backward of one GPT block (fp32, no dropout)."""
+    block = Block(GPTConfig(block_size=positions, n_embd=width, n_head=4, dropout=0.0))
+    x = torch.randn(sequences, positions, width, requires_grad=True)
 
     def step():
         block(x).sum().backward()

@@ -9,7 +9,8 @@
 - the report end to end at N=2 on the tiny model with five layouts (fsdp, tp, tp + sp + vocab, pp 1f1b,
   ZB-V): report.json
   says predicted and measured agree within the bars (memory 5%, bytes moved 2%) in every category,
-  report.md and the three plots are written.
+  each layout's predicted step time stands beside the median of its timed runs, report.md and the
+  three plots are written.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_report_end_to_end_two_processes(tmp_path):
     out = tmp_path / "report"
     model = [a for a in TINY if not a.startswith(("data.path", "trainer.eval", "trainer.log", "trainer.save",
                                                   "trainer.sample", "wandb", "optimizer"))]
-    r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(out), "--steps", "1",
+    r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(out), "--steps", "1", "--repeats", "2",
                 "--layouts", "fsdp dp2,tp2,tp2 +sp +vocab,pp2 1f1b,pp2 zero-bubble V", *model, "trainer.micro_batch_size=0"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -62,11 +63,15 @@ def test_report_end_to_end_two_processes(tmp_path):
         for c in lay["moved"]:
             assert c["measured"] == pytest.approx(c["predicted"], rel=0.02), (lay["name"], c)
         assert lay["ok"] and lay["wire_bytes_per_step"] > 0 and lay["tokens_per_s"] > 0
+        # the step time --plan predicts on `--hardware local` beside the median of the measured runs
+        assert len(lay["step_runs_s"]) == 2 and min(lay["step_runs_s"]) <= lay["step_s"] <= max(lay["step_runs_s"])
+        assert lay["step_predicted_s"] > 0 and lay["time_ratio"] == pytest.approx(lay["step_s"] / lay["step_predicted_s"])
+        assert {name for name, _ in lay["time_terms"]} >= {"compute", "optimizer"}
     assert {"tp"} <= {c["what"] for c in report["layouts"][1]["moved"]}
     assert {"send-recv", "all-reduce"} <= {c["what"] for c in report["layouts"][3]["moved"]}
     assert report["layouts"][3]["bubble_measured"] is not None
     text = (out / "report.md").read_text()
-    assert "| fsdp dp2 |" in text and "![memory](memory.png)" in text
+    assert "| fsdp dp2 |" in text and "![memory](memory.png)" in text and "pairs ordered alike" in text
     for png in ("memory.png", "bytes.png", "time.png"):
         assert (out / png).stat().st_size > 10_000
 
