@@ -87,6 +87,7 @@ class TrainerConfig:
 
 @dataclass
 class OptimizerConfig:
+    name: str = "adamw"  # adamw | muon (Muon for the blocks' weight matrices, AdamW for the rest: parallel/muon.py)
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
@@ -363,6 +364,7 @@ def _validate_trainer(t: TrainerConfig) -> None:
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:
+    _choice("optimizer.name", o.name, ("adamw", "muon"))
     _positive("optimizer.lr", o.lr)
     _positive("optimizer.min_lr", o.min_lr, allow_zero=True)
     if o.min_lr > o.lr:

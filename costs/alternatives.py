@@ -128,10 +128,19 @@ def model_summary(cfg: Config, g: GPTConfig, vocab_source: str) -> dict:
             "global_batch": cfg.trainer.batch_size, "precision": cfg.trainer.precision}
 
 
+def refuse_unplanned_optimizer(cfg: Config) -> None:
+    """The planner counts AdamW's state (8 bytes per parameter); Muon keeps 4 for the blocks'
+    matrices: a plan of it would be silently wrong, so it is refused instead."""
+    if cfg.optimizer.name != "adamw":
+        raise UsageError(f"the planner models AdamW's state; optimizer.name={cfg.optimizer.name} keeps less for the "
+                         f"blocks' matrices: plan with optimizer.name=adamw (an upper bound on memory)")
+
+
 def plan(cfg: Config, world: int, device_memory: int | None = None, hardware: Hardware | None = None,
          reserve: int = 0) -> Plan:
     """The configured layout (or why `world` ranks cannot run it), then every alternative; a
     layout fits when its peak is at most device_memory - reserve."""
+    refuse_unplanned_optimizer(cfg)
     vocab, vocab_source = vocab_size(cfg)
     g = gpt_config(cfg, vocab)
     usable = None if device_memory is None else device_memory - reserve

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from config import Config, UsageError
 from costs.activations import activation_model
-from costs.alternatives import check_layout
+from costs.alternatives import check_layout, refuse_unplanned_optimizer
 from costs.engines import engine_costs
 from costs.fake_world import RankMeasurement, fake_world, measure_rank, start_rank
 from costs.inventory import gpt_config, held_tensors, vocab_size
@@ -199,6 +199,7 @@ def dry_run_command(cfg: Config, world: int, plan_json: str | None) -> int:
     if cfg.trainer.precision == "fp16":
         raise UsageError("the dry run does not cover fp16: its grad scaler reads its inf check with .item(), "
                          "which fake tensors have no value for; use trainer.precision=bf16 (same memory)")
+    refuse_unplanned_optimizer(cfg)
     report = dry_run(cfg, world)
     if plan_json:
         try:

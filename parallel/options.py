@@ -87,6 +87,7 @@ def problems(cfg: Config, world_size: int | None = None) -> Iterator[str]:
                f"attention heads are split across tensor-parallel ranks")
     yield from _option_problems(p)
     yield from _auto_problems(p)
+    yield from _optimizer_problems(cfg.optimizer.name, p)
     yield from _model_split_problems(m, cfg.trainer, p)
 
 
@@ -103,6 +104,19 @@ def _auto_problems(p: ParallelConfig) -> Iterator[str]:
         if getattr(p, key) != getattr(defaults, key):
             yield (f"parallel.{key} is chosen by parallel.strategy=auto; remove it, or name a strategy "
                    f"(python main.py --plan shows the candidates)")
+
+
+def _optimizer_problems(name: str, p: ParallelConfig) -> Iterator[str]:
+    """Muon orthogonalises whole matrices (parallel/muon.py): a shard of one is not the matrix."""
+    if name != "muon":
+        return
+    if p.strategy in ("zero", "fsdp", "auto"):
+        what = "may choose sharded layouts" if p.strategy == "auto" else "shards the weight matrices across dp ranks"
+        yield (f"optimizer.name=muon needs every weight matrix whole on a rank and parallel.strategy={p.strategy} "
+               f"{what}; use parallel.strategy=ddp (or dp, none; pp is fine) or optimizer.name=adamw")
+    if p.tp > 1:
+        yield (f"optimizer.name=muon needs every weight matrix whole on a rank and parallel.tp={p.tp} splits them; "
+               f"set parallel.tp=1 (pp and ddp are fine) or optimizer.name=adamw")
 
 
 # Options that only mean something for some strategies: setting them elsewhere is a mistake the

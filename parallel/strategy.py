@@ -35,6 +35,7 @@ from observe.perf import cpu_devices
 from parallel.dtensor import full_tensor, local_tensor, same_layout_groups, settle_partial_grads, storage_id
 from parallel.env import DistEnv, local_world_size
 from parallel.layout import Layout, describe
+from parallel.muon import MuonWithAdamW, muon_parameter_ids
 from parallel.parallelize import parallelize
 from parallel.scaler import make_grad_scaler
 from parallel.step import StepRunner
@@ -141,7 +142,18 @@ class Strategy:
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), **({"fused": True} if plain else {}))
 
     def build_optimizer(self) -> torch.optim.Optimizer:
+        if self.cfg.optimizer.name == "muon":  # whole matrices only: parallel/options.py refuses sharded layouts
+            return self.muon_with_adamw()
         return self.adamw(self.param_groups())
+
+    def muon_with_adamw(self) -> MuonWithAdamW:
+        o, parts = self.cfg.optimizer, self.unwrapped()
+        hidden = muon_parameter_ids(parts)
+        groups = self.param_groups()
+        muon = [dict(g, params=[p for p in g["params"] if id(p) in hidden]) for g in groups]
+        rest = [dict(g, params=[p for p in g["params"] if id(p) not in hidden]) for g in groups]
+        plain = all(type(p) in (torch.Tensor, nn.Parameter) for g in rest for p in g["params"])
+        return MuonWithAdamW(muon, rest, lr=o.lr, betas=(o.beta1, o.beta2), fused=plain)
 
     def make_grad_scaler(self):
         return make_grad_scaler(self.cfg, self.layout, self.mesh, self.device, self.grads_sharded)

@@ -2,7 +2,7 @@
 
 A snapshot belongs to one run: one data stream (which tokens, in which order, which are held out)
 and one model shape. A launch that would change either is refused, naming every difference
-(`refuse_another_run`); a launch that resumes at its last step has nothing to do and says so
+(`refuse_another_run`; another optimizer too: its state does not load into another's); a launch that resumes at its last step has nothing to do and says so
 (`nothing_left_message`). Safe changes (more steps, another layout or world size, another LR) are
 the Trainer's to apply. The RNG streams a snapshot keeps per rank: `rng_state`, `set_rng_state`.
 """
@@ -61,8 +61,13 @@ def refuse_another_run(path: Path, meta: SnapshotMeta, cfg: Config, now: dict) -
                 changes.append(f"{key}={show(was(key))} (now {show(v)})")
         if not changes:  # a snapshot without a readable config
             changes.append(f"model {old_cfg.get('model', {})}")
+    old_optimizer = old_cfg.get("optimizer", {}).get("name", "adamw")  # snapshots before the key: AdamW
+    optimizer_changed = old_optimizer != cfg.optimizer.name  # its state (exp_avg, momentum_buffer) differs
+    if optimizer_changed:
+        changes.append(f"optimizer.name={old_optimizer} (now {cfg.optimizer.name})")
     if changes:
-        what = " and ".join(w for w, on in (("model shape", shape_changed), ("data stream", stream_changed)) if on)
+        what = " and ".join(w for w, on in (("model shape", shape_changed), ("data stream", stream_changed),
+                                            ("optimizer", optimizer_changed)) if on)
         raise UsageError(f"snapshot {path} was trained with {', '.join(changes)} (a different {what}); "
                          f"use the snapshot's values or another trainer.run_dir")
 

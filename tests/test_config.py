@@ -173,6 +173,8 @@ BAD_INPUTS = {
     "weight_decay": (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
     "beta1": (["optimizer.beta1=1.0"], "optimizer.beta1 must be in [0, 1)"),
     "beta2": (["optimizer.beta2=-0.1"], "optimizer.beta2 must be in [0, 1)"),
+    "optimizer name": (["optimizer.name=sgd"], "optimizer.name"),
+    "muon sharded": (["optimizer.name=muon", "parallel.strategy=fsdp"], "optimizer.name=muon needs every weight"),
     "strategy": (["parallel.strategy=fsdp2"], "did you mean 'fsdp'"),
     "tp": (["parallel.tp=0"], "parallel.tp must be > 0"),
     "pp": (["parallel.pp=0"], "parallel.pp must be > 0"),

@@ -56,6 +56,7 @@ TWO_PROC = {
     "zero1_fp16": (ZERO + "1 trainer.precision=fp16", "fp16"),
     "zero2_fp16": (ZERO + "2 trainer.precision=fp16", "fp16"),
     "fsdp_fp16": ("parallel.strategy=fsdp trainer.precision=fp16", "fp16"),
+    "ddp_muon": ("parallel.strategy=ddp optimizer.name=muon", "muon"),
 }
 FOUR_PROC = {
     "zero1": (ZERO + "1", "fp32"),
@@ -68,13 +69,16 @@ FOUR_PROC = {
     "fsdp_odd": (f"parallel.strategy=fsdp {ODD}", "odd"),
     "hsdp": ("parallel.strategy=fsdp parallel.dp_replicate=2", "fp32"),  # 2 replicas x 2 shards
 }
-REFERENCES = {"fp32": "", "bf16": "trainer.precision=bf16", "fp16": "trainer.precision=fp16", "odd": ODD}
+REFERENCES = {"fp32": "", "bf16": "trainer.precision=bf16", "fp16": "trainer.precision=fp16", "odd": ODD,
+              "muon": "optimizer.name=muon"}
 # FSDP2 compute in bf16 (sharded fp32 master weights): not bit-comparable with fp32 training.
 MIXED = ("fsdp_mixed_bf16", "parallel.strategy=fsdp parallel.mixed_precision=bf16")
 MIXED_LOSS_RTOL = 2e-2
 
-SAVE = {"zero2": ZERO + "2", "fsdp": "parallel.strategy=fsdp"}
-LOAD_TWO = [("fsdp", "zero1_from_fsdp", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp")]
+MUON = "parallel.strategy=ddp optimizer.name=muon"
+SAVE = {"zero2": ZERO + "2", "fsdp": "parallel.strategy=fsdp", "ddp_muon": MUON}
+LOAD_TWO = [("fsdp", "zero1_from_fsdp", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp"),
+            ("ddp_muon", "ddp_muon_reloaded", MUON)]  # Muon's momentum + AdamW's moments through DCP
 LOAD_FOUR = [("zero2", "zero1_from_zero2", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp"),
              ("fsdp", "zero2_from_fsdp", ZERO + "2"),
              ("fsdp", "hsdp_from_fsdp", "parallel.strategy=fsdp parallel.dp_replicate=2")]
@@ -260,6 +264,9 @@ def assert_same_state(expected: dict, got: dict, name: str) -> None:
 def test_state_dict_loads_across_strategies_and_world_sizes(two, four, tmp_path):
     expected = {name: torch.load(two / f"ckpt-{name}.expected.pt", weights_only=True) for name in SAVE}
     assert any(k.startswith("optim.") and k.endswith(".exp_avg") for k in expected["zero2"]["tensors"])
+    muon = expected["ddp_muon"]["tensors"]  # the blocks' matrices on Muon, the embedding on AdamW
+    assert "optim.blocks.0.mlp.fc.weight.momentum_buffer" in muon and "optim.tok_emb.weight.exp_avg" in muon
+    assert not any(k.startswith("optim.blocks.0.mlp.fc.weight.exp_avg") for k in muon)
     for ckpt, name, _ in LOAD_TWO:
         assert_same_state(expected[ckpt], torch.load(two / f"{name}.pt", weights_only=True), f"{name} (2 ranks)")
     for ckpt, name, _ in LOAD_FOUR:

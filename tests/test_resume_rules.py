@@ -3,6 +3,7 @@
 - A resume whose data stream differs from the snapshot's (corpus content, data.truncate,
   data.val_fraction, trainer.seed, trainer.batch_size, model.block_size) is refused with one line
   naming each changed key, its snapshot value and the fix; nothing in the run folder changes.
+  So is another optimizer.name (AdamW's state does not load into Muon's).
 - A resume with another optimizer.lr / betas / weight_decay runs the configured values from the
   resume step (param groups and the logged lr follow lr_at with the new config).
 - CUDA RNG states are recorded and restored with the CPU one (CPU-only here: torch.cuda's RNG
@@ -53,6 +54,7 @@ def test_a_changed_data_stream_is_refused_with_one_line(tmp_path, capsys):
         (["data.truncate=150000"], ["data.truncate=200000 (now 150000)"]),
         ([f"data.path={edited}"], ["corpus sha256="]),
         (["model.block_size=32"], ["model.block_size=16 (now 32)", "different model shape"]),
+        (["optimizer.name=muon"], ["optimizer.name=adamw (now muon)", "different optimizer"]),  # AdamW's state
     ]
     capsys.readouterr()
     for overrides, expected in cases:

@@ -48,6 +48,7 @@ TWO = {
     "tp2_fp16": "parallel.tp=2 trainer.precision=fp16",
     "pp2_1f1b_fp16": "parallel.pp=2 parallel.pp_schedule=1f1b trainer.precision=fp16",
     "fsdp_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
+    "pp2_1f1b_muon": "parallel.pp=2 parallel.pp_schedule=1f1b optimizer.name=muon",  # each stage's whole matrices
 }
 TWO_UNTIED = {"pp2_untied_split31_ac": ("parallel.pp=2 parallel.pp_split=3,1 model.tie_weights=false "
                                         "parallel.activation_checkpointing=true")}
@@ -77,6 +78,8 @@ def launch(nproc: int, out, cases: dict, apps: list[list[str]] = ()) -> None:
 
 
 def reference_of(name: str) -> str:
+    if name.endswith("_muon"):
+        return "muon"
     return "untied" if name in TWO_UNTIED else "tied_fp16" if name.endswith("_fp16") else "tied"
 
 
@@ -110,7 +113,8 @@ def references(tmp_path_factory):
             "untied": run_steps(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied",
                                 evaluate=True),
             "tied_fp16": run_steps(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16",
-                                   evaluate=True)}
+                                   evaluate=True),
+            "muon": run_steps(["parallel.strategy=none", "optimizer.name=muon"], STEPS, out / "muon", evaluate=True)}
 
 
 @pytest.fixture(scope="module")

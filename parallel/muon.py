@@ -1,0 +1,113 @@
+"""`optimizer.name=muon`: torch's Muon for the blocks' weight matrices, AdamW for the rest.
+
+Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) replaces each hidden
+matrix's update by the orthogonalised momentum (5 Newton-Schulz iterations), the update of the
+modded-nanogpt speedruns. Embeddings, the (tied) head, biases and LayerNorms are not hidden
+matrices and stay on AdamW, as there. The Muon learning rate is scaled per matrix to AdamW's update
+RMS (`adjust_lr_fn="match_rms_adamw"`, 0.2 sqrt(max(rows, cols)): Liu et al. 2025, "Muon is
+Scalable for LLM Training", https://arxiv.org/abs/2502.16982), so `optimizer.lr`,
+`optimizer.weight_decay` and the schedule mean the same for both parts.
+
+Newton-Schulz works on whole matrices: a rank must hold every matrix whole (ddp, dp, none,
+pipeline stages). ZeRO-1/2 slices, FSDP2 rows and tensor-parallel shards are refused at
+configuration (parallel/options.py): orthogonalising a shard is not orthogonalising the matrix.
+
+`MuonWithAdamW` is one `torch.optim.Optimizer` (one `param_groups`, one `state`) so the LR
+scheduler, gradient clipping, DCP's optimizer state dict and snapshots treat it like AdamW: its
+groups are shared with an inner `torch.optim.Muon` and `torch.optim.AdamW`, which step their own
+groups and keep their state in this optimizer's `state` (the parameters are disjoint).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+MUON_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc", "proj")  # model.py's Linear layers in a block
+
+
+def muon_parameter_ids(parts: list[nn.Module]) -> set[int]:
+    """The blocks' Linear weights (2-D hidden matrices) of these GPT parts."""
+    out = set()
+    for part in parts:
+        for name, p in part.named_parameters():
+            pieces = name.split(".")
+            if pieces[0] == "blocks" and pieces[-1] == "weight" and pieces[-2] in MUON_MODULES and p.requires_grad:
+                out.add(id(p))
+    return out
+
+
+def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration (torch.optim._muon._zeropower_via_newtonschulz's
+    math): x <- a x + (b X + c X^2) x with X = x x^T, on the wide orientation, in `dtype`."""
+    x = g.to(dtype)
+    wide = x.size(0) <= x.size(1)
+    x = x if wide else x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    a, b, c = coefficients
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x if wide else x.T).to(g.dtype)
+
+
+class Muon(torch.optim.Muon):
+    """torch's Muon, with the Newton-Schulz iterations in fp32 on a CPU. torch 2.13 runs them in
+    bf16 everywhere; a CPU without bf16 instructions emulates that: nanoGPT's CPU config took
+    1,026 ms per step instead of about 60 (measured on the 2-core machine, AVX2 only). On a GPU
+    the iterations stay in bf16, as in torch. The update is torch's `_single_tensor_muon`."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            self._init_group(group, params, grads, buffers)
+            lr, momentum = float(group["lr"]), group["momentum"]
+            for p, g, buf in zip(params, grads, buffers):
+                buf.lerp_(g, 1 - momentum)
+                update = g.lerp(buf, momentum) if group["nesterov"] else buf
+                dtype = torch.float32 if p.device.type == "cpu" else torch.bfloat16
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))  # adjust_lr_fn="match_rms_adamw"
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon over `muon_groups`, AdamW over `adamw_groups` (lists of param-group dicts)."""
+
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float, betas: tuple[float, float],
+                 momentum: float = 0.95, fused: bool = False):
+        muon_groups = [dict(g, use_muon=True) for g in muon_groups if g["params"]]
+        adamw_groups = [dict(g, use_muon=False) for g in adamw_groups if g["params"]]
+        super().__init__(muon_groups + adamw_groups, {"lr": lr})
+        muon, adamw = self.param_groups[:len(muon_groups)], self.param_groups[len(muon_groups):]
+        self._muon = Muon(muon, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw") if muon else None
+        self._adamw = torch.optim.AdamW(adamw, lr=lr, betas=betas, **({"fused": True} if fused else {}))
+        self._link()
+
+    def _link(self) -> None:
+        """The inner optimizers step this optimizer's own group dicts and keep their state in its
+        `state` (the two parameter sets are disjoint): what the scheduler sets and a snapshot
+        loads is what they use."""
+        muon = [g for g in self.param_groups if g["use_muon"]]
+        if self._muon is not None:
+            self._muon.param_groups, self._muon.state = muon, self.state
+        self._adamw.param_groups = [g for g in self.param_groups if not g["use_muon"]]
+        self._adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # replaces param_groups and state with new objects
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._muon is not None:
+            self._muon.step()
+        self._adamw.step()
+        return loss

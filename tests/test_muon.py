@@ -1,0 +1,103 @@
+"""optimizer.name=muon (parallel/muon.py): torch's Muon for the blocks' matrices, AdamW for the rest.
+
+- which parameters each part steps, and the state each keeps;
+- the update is torch.optim.Muon's, with the Newton-Schulz iterations in fp32 on a CPU (bit-exact
+  against torch's Muon whose iteration is made fp32; in bf16 the iteration is torch's exactly);
+- a resume through a snapshot is bit-identical to the uninterrupted run;
+- the layouts that split a matrix (zero, fsdp, tp, auto) are refused with one line, and so are
+  --plan and --dry-run (they model AdamW's state).
+Parity with one process under ddp (2 ranks, and its state through DCP) and under a pipeline
+(pp 2, 1f1b): tests/test_data_parallel.py and tests/test_tp_pp.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+
+import main as app
+from config import UsageError, load_config
+from costs.parity import build
+from harness import app_in_process, model_tensors
+from launch.local import TINY
+from parallel.muon import MUON_MODULES, Muon, MuonWithAdamW, orthogonalize
+from parallel.options import problems
+
+MUON = ["optimizer.name=muon"]
+COEFFICIENTS = (3.4445, -4.775, 2.0315)
+
+
+def test_muon_steps_the_blocks_matrices_and_adamw_the_rest(tmp_path):
+    trainer = build(["parallel.strategy=none", *MUON], tmp_path)
+    opt = trainer.optimizer
+    assert isinstance(opt, MuonWithAdamW)
+    names = {id(p): n for n, p in trainer.strategy.unwrapped()[0].named_parameters()}
+    on_muon = {names[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"]}
+    n_layer = trainer.cfg.model.n_layer
+    assert len(on_muon) == 6 * n_layer and all(n.split(".")[-2] in MUON_MODULES for n in on_muon)
+    on_adamw = {names[id(p)] for g in opt.param_groups if not g["use_muon"] for p in g["params"]}
+    assert "tok_emb.weight" in on_adamw and "blocks.0.ln_1.weight" in on_adamw and not on_muon & on_adamw
+    trainer.forward_backward()
+    trainer.optimizer_step()
+    params = dict(trainer.strategy.unwrapped()[0].named_parameters())
+    assert set(opt.state[params["blocks.0.mlp.fc.weight"]]) == {"momentum_buffer"}
+    assert {"exp_avg", "exp_avg_sq"} <= set(opt.state[params["tok_emb.weight"]])
+    # the scheduler's lr reaches both parts: they step the optimizer's own group dicts
+    for g in opt.param_groups:
+        g["lr"] = 0.123
+    assert {g["lr"] for g in opt._muon.param_groups + opt._adamw.param_groups} == {0.123}
+
+
+def test_orthogonalize_in_bf16_is_torchs_newton_schulz():
+    g = torch.randn(96, 32)
+    ours = orthogonalize(g, COEFFICIENTS, 5, 1e-7, torch.bfloat16)
+    assert torch.equal(ours, torch_muon._zeropower_via_newtonschulz(g, COEFFICIENTS, 5, 1e-7).float())
+
+
+def test_update_is_torchs_muon_with_fp32_newton_schulz(monkeypatch):
+    torch.manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(16, 64))]
+    theirs_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    ours, theirs = Muon(ours_p, **kwargs), torch.optim.Muon(theirs_p, **kwargs)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
+                        lambda g, c, steps, eps: orthogonalize(g, c, steps, eps, torch.float32))
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in ours_p]
+        for p, q, g in zip(ours_p, theirs_p, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    for p, q in zip(ours_p, theirs_p):
+        assert torch.equal(p, q)
+
+
+def test_resume_is_bit_identical(tmp_path):
+    train = app_in_process(TINY + MUON + ["parallel.strategy=none", "trainer.sample_tokens=0",
+                                          "optimizer.lr_decay_steps=10"])
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert train(full, "trainer.max_steps=10", "trainer.save_every=5") == 0
+    assert train(cut, "trainer.max_steps=5", "trainer.save_every=5") == 0
+    assert train(cut, "trainer.max_steps=10", "trainer.save_every=5") == 0
+    a, b = model_tensors(full), model_tensors(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.strategy=fsdp"], "parallel.strategy=fsdp shards the weight matrices"),
+    (["parallel.strategy=zero", "parallel.zero_stage=1"], "parallel.strategy=zero shards"),
+    (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp=2 splits them"),
+    (["parallel.strategy=auto"], "parallel.strategy=auto may choose sharded layouts"),
+])
+def test_layouts_that_split_a_matrix_are_refused(overrides, words):
+    with pytest.raises(UsageError) as refused:
+        load_config(None, TINY + MUON + overrides)
+    assert words in str(refused.value) and "optimizer.name=adamw" in str(refused.value)
+    assert not list(problems(load_config(None, TINY + MUON + ["parallel.strategy=ddp", "parallel.pp=2"]), 4))
+
+
+@pytest.mark.parametrize("command", [["--plan", "--world-size", "4"], ["--dry-run", "--world-size", "4"]])
+def test_plan_and_dry_run_refuse_what_they_do_not_model(command, capsys):
+    assert app.main([*command, *TINY, *MUON]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the planner models AdamW's state" in err, err
