@@ -30,7 +30,7 @@ COMMON = ["trainer.device=cpu", "data.tokenizer=gpt2"]
 def cases(world: int) -> dict[str, list[str]]:
     """name -> overrides; batch = world sequences (one per data-parallel rank and micro-batch)."""
     batch = f"trainer.batch_size={world}"
-    pp4 = ["parallel.pp=4", "parallel.microbatches=8"]
+    pp4 = ["parallel.pp=4", "parallel.microbatches=8", f"trainer.batch_size={2 * world}"]  # 8 sequences per dp rank
     schedules = {
         "gpipe": ["parallel.pp_schedule=gpipe"],
         "1f1b": ["parallel.pp_schedule=1f1b"],
@@ -57,8 +57,8 @@ def cases(world: int) -> dict[str, list[str]]:
             out[f"20b zero-{stage}"] = B20 + [batch, "parallel.strategy=zero", f"parallel.zero_stage={stage}"]
     for name, sched in schedules.items():
         v2 = "parallel.pp_stages_per_rank=2" in sched
-        out[f"xl fsdp x pp4 {name}"] = XL + [batch, "parallel.strategy=fsdp", *pp4, *sched]
-        out[f"20b fsdp x tp8 x pp4 {name}"] = B20 + [batch, "parallel.strategy=fsdp", "parallel.tp=8", *pp4, *sched,
+        out[f"xl fsdp x pp4 {name}"] = XL + ["parallel.strategy=fsdp", *pp4, *sched]
+        out[f"20b fsdp x tp8 x pp4 {name}"] = B20 + ["parallel.strategy=fsdp", "parallel.tp=8", *pp4, *sched,
                                                      *([SPLIT8] if v2 else [])]
     return out
 

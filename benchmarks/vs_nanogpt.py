@@ -18,6 +18,7 @@ per seed and reports the spread.
 
     python benchmarks/vs_nanogpt.py                       # 2000 steps, 2 threads
     python benchmarks/vs_nanogpt.py --steps 500           # shorter (the loss is then not nanoGPT's)
+    python benchmarks/vs_nanogpt.py --preset presets/cpu_speedrun.yaml --seeds 1337 42 7   # time to nanoGPT's loss
 """
 from __future__ import annotations
 
@@ -72,11 +73,14 @@ def run_nanogpt(scratch: Path, steps: int, seed: int, threads: int) -> dict:
     return {"step_ms": statistics.median(ms), "wall_s": wall, "ckpt": out / "ckpt.pt"}
 
 
-def run_ours(folder: Path, steps: int, seed: int, threads: int, extra: list[str]) -> dict:
+def run_ours(folder: Path, steps: int, seed: int, threads: int, extra: list[str], preset: str = "") -> dict:
+    """nanoGPT's config (NANOGPT_CPU, `steps` steps) + extra; with `preset`, the preset's own
+    config, steps and schedule instead (time to loss)."""
     run = folder / f"ours-{seed}"
-    overrides = [f"data.path={CORPUS}", *NANOGPT_CPU, f"trainer.max_steps={steps}",
-                 f"optimizer.lr_decay_steps={steps}", f"trainer.seed={seed}", "trainer.log_every=10",
-                 "trainer.hang_timeout_s=0", f"trainer.run_dir={run}", *extra]
+    recipe = (["--config", preset] if preset else
+              [*NANOGPT_CPU, f"trainer.max_steps={steps}", f"optimizer.lr_decay_steps={steps}", "trainer.log_every=10"])
+    overrides = [*recipe, f"data.path={CORPUS}", f"trainer.seed={seed}", "trainer.hang_timeout_s=0",
+                 f"trainer.run_dir={run}", *extra]
     start = time.perf_counter()
     r = subprocess.run([sys.executable, "main.py", *overrides], cwd=REPO, env=env(threads), capture_output=True,
                        text=True)
@@ -149,6 +153,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    ap.add_argument("--preset", default="", help="train this project with a preset's own recipe (steps, schedule) "
+                    "instead of nanoGPT's config: time to nanoGPT's loss, e.g. presets/cpu_speedrun.yaml")
     ap.add_argument("overrides", nargs="*", help="config overrides for main.py (e.g. a preset's speed settings)")
     args = ap.parse_args()
     text = CORPUS.read_text(encoding="utf-8")
@@ -160,11 +166,12 @@ def main() -> None:
         for seed in args.seeds:  # one after the other, never at once
             nano = run_nanogpt(scratch, args.steps, seed, args.threads)
             nano["val"] = nanogpt_val_loss(scratch, nano["ckpt"], val_text, chars)
-            ours = run_ours(folder, args.steps, seed, args.threads, args.overrides)
+            ours = run_ours(folder, args.steps, seed, args.threads, args.overrides, args.preset)
             ours["val"] = our_val_loss(ours["model"], val_text)
             results["nanoGPT"].append(nano)
             results["minGPT-parallel"].append(ours)
     print(f"\n=== {args.steps} steps of nanoGPT's CPU config, {args.threads} threads, seeds {args.seeds}"
+          f"{', ours with ' + args.preset if args.preset else ''}"
           f"{', overrides ' + ' '.join(args.overrides) if args.overrides else ''}")
     for name, runs in results.items():
         for seed, r in zip(args.seeds, runs):
@@ -172,6 +179,8 @@ def main() -> None:
                   f"tokens/s | wall {r['wall_s']:5.0f} s | val loss (whole split, 64-token windows) {r['val']:.4f}")
     ratios = [n["step_ms"] / o["step_ms"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
     diffs = [o["val"] - n["val"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
+    walls = [o["wall_s"] / n["wall_s"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
+    print(f"wall time ratio (ours / nanoGPT's, start-up included): {', '.join(f'{w:.2f}x' for w in walls)}")
     print(f"tokens/s ratio (ours / nanoGPT's): {', '.join(f'{r:.2f}x' for r in ratios)}; "
           f"val loss difference (ours - nanoGPT's): {', '.join(f'{x:+.4f}' for x in diffs)}")
 
