@@ -37,6 +37,7 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
 import torch
+import yaml
 from cpu_shakespeare import NANOGPT_CPU
 
 from launch.local import CORPUS, REPO, SHARED
@@ -89,7 +90,14 @@ def run_ours(folder: Path, steps: int, seed: int, threads: int, extra: list[str]
         raise SystemExit(f"main.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {"step_ms": statistics.median(row["step_time_ms"] for row in rows[1:]), "wall_s": wall,
+            "tokens_per_s": tokens_per_step(run) / statistics.median(row["step_time_ms"] for row in rows[1:]) * 1000,
             "model": run / "model.pt"}
+
+
+def tokens_per_step(run: Path) -> int:
+    """batch_size x block_size of a run, from the config.yaml it resolved (a preset's own batch)."""
+    cfg = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    return cfg["trainer"]["batch_size"] * cfg["model"]["block_size"]
 
 
 @torch.no_grad()
@@ -175,9 +183,10 @@ def main() -> None:
           f"{', overrides ' + ' '.join(args.overrides) if args.overrides else ''}")
     for name, runs in results.items():
         for seed, r in zip(args.seeds, runs):
-            print(f"{name:16} seed {seed}: median step {r['step_ms']:6.1f} ms = {BATCH * BLOCK / r['step_ms'] * 1000:8,.0f} "
+            r.setdefault("tokens_per_s", BATCH * BLOCK / r["step_ms"] * 1000)  # nanoGPT: its batch of 12 x 64
+            print(f"{name:16} seed {seed}: median step {r['step_ms']:6.1f} ms = {r['tokens_per_s']:8,.0f} "
                   f"tokens/s | wall {r['wall_s']:5.0f} s | val loss (whole split, 64-token windows) {r['val']:.4f}")
-    ratios = [n["step_ms"] / o["step_ms"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
+    ratios = [o["tokens_per_s"] / n["tokens_per_s"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
     diffs = [o["val"] - n["val"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
     walls = [o["wall_s"] / n["wall_s"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
     print(f"wall time ratio (ours / nanoGPT's, start-up included): {', '.join(f'{w:.2f}x' for w in walls)}")

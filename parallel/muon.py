@@ -55,9 +55,9 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 
 class Muon(torch.optim.Muon):
     """torch's Muon, with the Newton-Schulz iterations in fp32 on a CPU. torch 2.13 runs them in
-    bf16 everywhere; a CPU without bf16 instructions emulates that: nanoGPT's CPU config took
-    1,026 ms per step instead of about 60 (measured on the 2-core machine, AVX2 only). On a GPU
-    the iterations stay in bf16, as in torch. The update is torch's `_single_tensor_muon`."""
+    bf16 everywhere; a CPU without bf16 instructions emulates that: nanoGPT's CPU model at batch
+    16 took 1,026 ms per step instead of about 100 (measured on the 2-core machine, AVX2 only). On
+    a GPU the iterations stay in bf16, as in torch. The update is torch's `_single_tensor_muon`."""
 
     @torch.no_grad()
     def step(self, closure=None):
