@@ -49,6 +49,14 @@ def cases(world: int) -> dict[str, list[str]]:
                                             "parallel.dp_replicate=8"],
         "20b ddp x tp8 x pp8": B20 + [batch, "parallel.strategy=ddp", "parallel.tp=8", "parallel.pp=8", SPLIT8],
     }
+    # zero-bubble schedules refuse data parallelism: at this scale only tp x pp = world runs them,
+    # e.g. a 128-block model (GPT-2 XL's width, 32 heads) on tp 8 x pp 64 (512 ranks) or pp 128
+    deep = ["model.n_layer=128", "model.n_embd=1600", "model.n_head=32", "model.block_size=1024",
+            "parallel.strategy=none", "parallel.tp=8", f"parallel.pp={world // 8}", "parallel.pp_schedule=zero_bubble",
+            f"trainer.batch_size={world // 8}"]
+    out["deep tp8 x pp zero-bubble"] = deep
+    if world // 8 * 2 <= 128:
+        out["deep tp8 x pp zero-bubble V"] = deep + ["parallel.pp_stages_per_rank=2"]
     for stage in (1, 2, 3):
         out[f"xl zero-{stage}"] = XL + [batch, "parallel.strategy=zero", f"parallel.zero_stage={stage}"]
         out[f"20b zero-{stage} x tp8"] = B20 + [batch, "parallel.strategy=zero", f"parallel.zero_stage={stage}",
