@@ -53,6 +53,13 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     return (x if wide else x.T).to(g.dtype)
 
 
+def lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch's Muon learning-rate adjustment of a (rows, cols) matrix: "match_rms_adamw" 0.2
+    sqrt(max(rows, cols)) (AdamW's update RMS), else ("original") sqrt(max(1, rows / cols))."""
+    rows, cols = shape[:2]
+    return 0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
+
+
 class Muon(torch.optim.Muon):
     """torch's Muon, with the Newton-Schulz iterations in fp32 on a CPU. torch 2.13 runs them in
     bf16 everywhere; a CPU without bf16 instructions emulates that: nanoGPT's CPU model at batch
@@ -71,7 +78,7 @@ class Muon(torch.optim.Muon):
                 dtype = torch.float32 if p.device.type == "cpu" else torch.bfloat16
                 update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))  # adjust_lr_fn="match_rms_adamw"
+                p.add_(update, alpha=-lr * lr_ratio(group["adjust_lr_fn"], p.shape))
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

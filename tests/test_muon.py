@@ -54,11 +54,12 @@ def test_orthogonalize_in_bf16_is_torchs_newton_schulz():
     assert torch.equal(ours, torch_muon._zeropower_via_newtonschulz(g, COEFFICIENTS, 5, 1e-7).float())
 
 
-def test_update_is_torchs_muon_with_fp32_newton_schulz(monkeypatch):
+@pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
+def test_update_is_torchs_muon_with_fp32_newton_schulz(adjust, monkeypatch):
     torch.manual_seed(0)
     ours_p = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(16, 64))]
     theirs_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
-    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn=adjust)
     ours, theirs = Muon(ours_p, **kwargs), torch.optim.Muon(theirs_p, **kwargs)
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
                         lambda g, c, steps, eps: orthogonalize(g, c, steps, eps, torch.float32))
