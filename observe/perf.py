@@ -60,6 +60,7 @@ PEAK_CACHE_ENV = "MINGPT_PEAK_CACHE"
 # at 1024^3 on the project's machine): small sizes keep its measurement under a second.
 _CPU_SIZES = {"fp16": (128, 256)}
 _CPU_SIZES_DEFAULT = (256, 512, 1024)
+SLOW_MATMUL_S = 0.05  # one matmul slower than this: the next size (8x the work) is not tried
 
 
 def set_fp32_matmul_mode(device: torch.device) -> None:
@@ -153,10 +154,19 @@ def _write_peak_cache(path: Path, key: str, flops: float) -> None:
 
 def measure_cpu_peak(precision: str, rounds: int = 3, min_seconds: float = 0.1) -> float:
     """Best FLOP/s of `rounds` sweeps over a few matmul sizes, each size run for `min_seconds` (and at
-    least 3 times): about a second in all."""
+    least 3 times): about a second in all. A sweep stops before the next (8x costlier) size once one
+    matmul takes over SLOW_MATMUL_S: a CPU that emulates the dtype (bf16 without bf16 instructions:
+    a 512^3 matmul takes 0.2 s, a 1024^3 one 2.6 s on the 2-core AVX2 machine, at the same rate)
+    would spend 25 s on a sweep that measures nothing more."""
     dtype = DTYPES[precision]
-    return max(measure_cpu_matmul_peak(n=n, repeats=3, min_seconds=min_seconds, refresh=True, dtype=dtype)
-               for _ in range(rounds) for n in _CPU_SIZES.get(precision, _CPU_SIZES_DEFAULT))
+    best = 0.0
+    for _ in range(rounds):
+        for n in _CPU_SIZES.get(precision, _CPU_SIZES_DEFAULT):
+            rate = measure_cpu_matmul_peak(n=n, repeats=3, min_seconds=min_seconds, refresh=True, dtype=dtype)
+            best = max(best, rate)
+            if 2 * n ** 3 / rate > SLOW_MATMUL_S:
+                break
+    return best
 
 
 def cpu_peak(precision: str, refresh: bool = False) -> tuple[float, bool]:

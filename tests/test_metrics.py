@@ -203,3 +203,17 @@ def test_mfu_counts_the_cpu_peaks_the_cores_really_give(monkeypatch):
     assert perf.cpu_devices(world_size=8, local_world_size=4)[0] == 4  # two such nodes
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert perf.cpu_devices(world_size=2, local_world_size=2)[0] == 1  # 2 x 2 threads on 2 cores
+
+
+@pytest.mark.parametrize("seconds_per_matmul, sizes", [(0.001, [256, 512, 1024] * 2), (0.2, [256, 256])])
+def test_the_cpu_peak_sweep_skips_sizes_that_would_only_be_slow(seconds_per_matmul, sizes, monkeypatch):
+    # a CPU emulating bf16 takes 0.2 s per 512^3 matmul and 2.6 s per 1024^3 one at the same rate:
+    # once one matmul is slower than SLOW_MATMUL_S the sweep does not try 8x the work
+    tried = []
+
+    def fake(n, **kwargs):
+        tried.append(n)
+        return 2 * n ** 3 / seconds_per_matmul
+    monkeypatch.setattr(perf, "measure_cpu_matmul_peak", fake)
+    assert perf.measure_cpu_peak("bf16", rounds=2) == 2 * tried[-1] ** 3 / seconds_per_matmul
+    assert tried == sizes
