@@ -3,17 +3,23 @@
 - peak FLOP/s: the best matmul rate of one process in the training's dtype (observe/perf.py's CPU
   peak, cached in its own file);
 - the link: a gloo all-reduce between 2 local processes (started here, holding the machine-wide
-  multi-process lock of launch/local.py): a 4-byte all-reduce gives the latency per ring step
-  (2 ranks: 2 steps), an 8 MB one the bandwidth (2 ranks: each sends K);
+  multi-process lock of launch/local.py): the median 4-byte all-reduce gives the latency per ring
+  step (2 ranks: 2 steps), the median 8 MB one the bandwidth (2 ranks: each sends K); medians, not
+  the best, since a step pays the typical call (on the 2-core machine the best 8 MB all-reduce ran
+  at 2.3 GB/s, the median at 1.4);
 - memory bandwidth: the best copy of a 64 MB tensor (the optimizer step streams model state);
 - block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
   remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
+- engine overheads: what a tensor-parallel (tp 2) and an FSDP2-sharded (2 ranks) tiny GPT cost per
+  block per micro-batch beyond the plain model's share of the same math, timed in one process on
+  torch's fake process group (its collectives return at once, so what remains is the engine's
+  host work: DTensor dispatch and redistribution, FSDP2's hooks and copy-in/out);
 - compute efficiency: forward + backward of a 256-wide block on 8 x 128 tokens (about 10 GFLOP),
   less the block overhead, against the peak: the fraction of the matmul peak a GPT block's
   matmuls, attention and element-wise work reach together (0.7-0.8 on the 2-core machine; a
   narrower model reaches less, which the overhead term partly covers).
 
-The last three are cached in `local-hardware.json` beside the CPU peak cache
+The last four are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
 version. `spawn=False` (a launch under torchrun, whose cores are busy and which holds the lock)
 never starts processes: without a cache it uses the UNCALIBRATED figures below and says so.
@@ -31,14 +37,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from launch.local import child_env, multiprocess_lock
-from model import Block, GPTConfig
+from model import GPT, Block, GPTConfig, lm_loss
 from observe.perf import cpu_peak, machine_fingerprint, peak_cache_path
+from parallel.tp import apply_tensor_parallel
 from storage.files import atomic_write_text
 
 UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
-                "compute_efficiency": 0.7}
+                "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0}
+ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 SMALL, LARGE = 1, 2 * 2**20  # float32 elements of the latency and the bandwidth all-reduce
 
@@ -67,7 +78,8 @@ def local_figures(precision: str, spawn: bool = True) -> dict:
     return {"name": "local", "source": f"this machine ({how})", "devices_per_node": per_node,
             "memory": f"{ram // per_node}B", "peak_flops": {precision: peak, "fp32": cpu_peak("fp32")[0]},
             "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
-            "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"]}
+            "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
+            "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"]}
 
 
 def _read(path: Path) -> dict:
@@ -95,8 +107,8 @@ def measure_local() -> dict:
     seconds = measure_block(width, positions, sequences, repeats=3)
     flops = 3 * sequences * positions * (24 * width * width + 4 * positions * width)  # forward + backward
     efficiency = min(1.0, flops / (cpu_peak("fp32")[0] * max(seconds - overhead, 1e-9)))
-    return {**measure_link(), "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": overhead,
-            "compute_efficiency": efficiency}
+    return {**measure_link(), **measure_engines(), "memory_bandwidth": measure_memory_bandwidth(),
+            "block_overhead": overhead, "compute_efficiency": efficiency}
 
 
 def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float:
@@ -136,6 +148,45 @@ def measure_link(timeout_s: float = 120) -> dict:
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
+def measure_engines(timeout_s: float = 120) -> dict:
+    """tp_overhead and fsdp_overhead, measured in a child process (the fake process group it
+    initialises stays out of this one), with this process's thread count."""
+    p = subprocess.run([sys.executable, "-m", "costs.calibrate", "engines", str(torch.get_num_threads())],
+                       env=child_env(), capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode:
+        raise RuntimeError(f"the engine calibration failed: {p.stderr.strip()[-300:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _engines_child(threads: int) -> None:
+    """Rank 0 of 2 on the fake process group: a tiny GPT (microseconds of math, like the block
+    overhead's) plain, tensor-parallel (tp 2) and FSDP2-sharded (2 ranks), one step of each in
+    turn for 20 rounds; per block, the median extra over the plain model (never below 0)."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    mesh = init_device_mesh("cpu", (2,))
+    layers, width, positions, sequences = ENGINE_MODEL
+
+    def gpt() -> GPT:
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=64, block_size=positions, n_layer=layers, n_head=4, n_embd=width, dropout=0.0))
+    sharded = gpt()
+    for block in sharded.blocks.values():
+        fully_shard(block, mesh=mesh)
+    models = {"plain": gpt(), "tp": apply_tensor_parallel(gpt(), mesh), "fsdp": fully_shard(sharded, mesh=mesh)}
+    x = torch.randint(0, 64, (sequences, positions))
+    times = {name: [] for name in models}
+    for round_ in range(23):
+        for name, model in models.items():
+            seconds = _timed(lambda: lm_loss(model(x), x).backward())
+            if round_ >= 3:  # warm-up: DTensor's sharding caches, FSDP2's lazy init
+                times[name].append(seconds)
+    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    print(json.dumps({f"{name}_overhead": max(0.0, (median[name] - median["plain"]) / layers)
+                      for name in ("tp", "fsdp")}), flush=True)
+    dist.destroy_process_group()
+
+
 def _link_child(rank: int, store_path: str) -> None:
     """One of the 2 calibration processes: the median time of small all-reduces (2 ring steps on 2
     ranks: latency = t / 2) and the best of large ones (each rank sends K: bandwidth = K / (t - 2 latency))."""
@@ -146,12 +197,16 @@ def _link_child(rank: int, store_path: str) -> None:
     times = sorted(_timed(lambda: dist.all_reduce(small)) for _ in range(200))
     latency = times[len(times) // 2] / 2
     dist.all_reduce(large)
-    best = min(_timed(lambda: dist.all_reduce(large)) for _ in range(8))
+    times = sorted(_timed(lambda: dist.all_reduce(large)) for _ in range(15))
     k = large.numel() * large.element_size()
     if rank == 0:
-        print(json.dumps({"latency": latency, "bandwidth": k / max(best - 2 * latency, 1e-9)}), flush=True)
+        print(json.dumps({"latency": latency, "bandwidth": k / max(times[len(times) // 2] - 2 * latency, 1e-9)}),
+              flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _link_child(int(sys.argv[1]), sys.argv[2])
+    if sys.argv[1] == "engines":
+        _engines_child(int(sys.argv[2]))
+    else:
+        _link_child(int(sys.argv[1]), sys.argv[2])

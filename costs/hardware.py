@@ -42,6 +42,10 @@ class Hardware:
     inter_node: Link
     compute_efficiency: float  # fraction of the peak the model's forward/backward reach
     block_overhead: float = 0.0  # seconds per block per micro-batch (forward + backward) of fixed cost
+    # seconds per block per micro-batch a tensor-parallel / FSDP2-sharded block pays beyond the plain
+    # block's share of the math: the engine's host work (DTensor dispatch, hooks, copy-in/out)
+    tp_overhead: float = 0.0
+    fsdp_overhead: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -100,4 +104,9 @@ def hardware_of(raw, where: str) -> Hardware:
                     parse_bytes(str(raw.get("memory")), f"--hardware file '{where}' memory"),
                     {k: _number(peaks, k, where) for k in DTYPES if k in peaks},
                     _number(raw, "memory_bandwidth", where), links["intra_node"], links["inter_node"],
-                    efficiency, float(raw.get("block_overhead", 0.0) or 0.0))
+                    efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead")))
+
+
+def _optional(raw: dict, key: str, where: str) -> float:
+    """An optional fixed cost in seconds: absent is 0 (a GPU's host work overlaps its kernels)."""
+    return _number(raw, key, where) if raw.get(key) else 0.0

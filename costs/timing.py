@@ -3,6 +3,7 @@
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
     compute   = T x 3 F / (peak x efficiency) + overhead x blocks x M      forward + backward (2x forward)
+    overhead  = block_overhead (+ tp_overhead with tp > 1) (+ fsdp_overhead under FSDP2)     fixed host work
     recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
     bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, 0 zero-bubble
@@ -106,10 +107,17 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     tokens = lay.micro_batch_size * lay.microbatches * g.block_size
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
-    overhead = hw.block_overhead * held.blocks * lay.microbatches
+    overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
     compute = tokens * 3 * fwd / rate + overhead
     recompute = tokens * fwd_blocks / rate + overhead / 3 if lay.activation_checkpointing else 0.0
     return compute, recompute
+
+
+def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
+    """Fixed seconds per block per micro-batch: every block's, plus the engines' host work where a
+    block is tensor-parallel (DTensor) or FSDP2-sharded (fsdp, zero-3, HSDP)."""
+    fsdp = lay.strategy.value in ("fsdp", "zero-3") and lay.dp > 1
+    return hw.block_overhead + (hw.tp_overhead if lay.tp > 1 else 0.0) + (hw.fsdp_overhead if fsdp else 0.0)
 
 
 def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic: list[list[Collective]],
@@ -125,7 +133,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     rest = max(rests, key=lambda terms: sum(t.exposed for t in terms))
     terms = [TimeTerm("compute", compute[slow][0], compute[slow][0],
                       f"{_flops_note(g, lay, held[slow])} at {hw.compute_efficiency:g} x {hw.peak(dtype) / 1e12:.4g} "
-                      f"TFLOP/s ({dtype}) + {hw.block_overhead * 1e3:.3g} ms x blocks x M")]
+                      f"TFLOP/s ({dtype}) + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M")]
     if lay.activation_checkpointing:
         terms.append(TimeTerm("recompute", compute[slow][1], compute[slow][1], "one more forward of every block"))
     if b:

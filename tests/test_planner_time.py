@@ -84,11 +84,13 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
 @pytest.mark.parametrize("spec, message", [
     ("tpu-v9", "--hardware 'tpu-v9' is neither local, a shipped description (a100-80gb, h100-sxm"),
     ("FILE", "needs intra_node"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\ntp_overhead: -0.001\n", "needs tp_overhead: a positive number"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\ndevices_per_node: 8\nmemory: 80GB\npeak_flops: {fp32: 1.0e+12}\n")
-    assert app.main(["--plan", "--hardware", str(bad) if spec == "FILE" else spec]) == 2
+    bad.write_text("name: x\ndevices_per_node: 8\nmemory: 80GB\npeak_flops: {fp32: 1.0e+12}\n" + spec[5:])
+    assert app.main(["--plan", "--hardware", str(bad) if spec.startswith("FILE") else spec]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
@@ -100,6 +102,29 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert "measured" in first.source and "cached" in second.source
     assert first.intra_node == second.intra_node and first.intra_node.bandwidth > 0
     assert 0 < first.intra_node.latency < 0.1 and first.peak("fp32") > 0
+    # the engines' host work per block, measured on the fake group: DTensor's dispatch and
+    # FSDP2's hooks cost more than the plain block's own fixed cost here (7 and 2.3 ms vs 0.9)
+    assert first.tp_overhead > first.fsdp_overhead > 0 and first.tp_overhead > first.block_overhead
+
+
+def test_engine_overheads_charge_only_their_layouts(tmp_path):
+    # tp_overhead is paid by every block of a tensor-parallel layout, fsdp_overhead by FSDP2's;
+    # ddp and a pipeline pay neither
+    hw = dataclasses.replace(load_hardware("h100-sxm"), tp_overhead=1e-3, fsdp_overhead=1e-4)
+    base = load_hardware("h100-sxm")
+
+    def compute(hardware, *overrides):
+        cfg = load_config(None, XL + ["model.n_head=16", f"trainer.run_dir={tmp_path}", *overrides])
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 50257), planner.check_layout(cfg, 16), True, None,
+                                 hardware)
+        return next(t.seconds for t in lp.time.terms if t.name == "compute"), lp.layout
+    for overrides, per_block in [(("parallel.strategy=ddp",), 0.0), (("parallel.strategy=fsdp",), 1e-4),
+                                 (("parallel.strategy=none", "parallel.tp=16"), 1e-3),
+                                 (("parallel.strategy=fsdp", "parallel.tp=2"), 1.1e-3),
+                                 (("parallel.strategy=ddp", "parallel.pp=2"), 0.0)]:
+        (charged, lay), (plain, _) = compute(hw, *overrides), compute(base, *overrides)
+        blocks = 48 // lay.pp
+        assert charged - plain == pytest.approx(per_block * blocks * lay.microbatches), overrides
 
 
 @pytest.mark.parametrize("text, size", [("40G", 40 * 10**9), ("40GB", 40 * 10**9), ("40 GB", 40 * 10**9),
