@@ -3,10 +3,9 @@
 - peak FLOP/s: the best matmul rate of one process in the training's dtype (observe/perf.py's CPU
   peak, cached in its own file);
 - the link: a gloo all-reduce between 2 local processes (started here, holding the machine-wide
-  multi-process lock of launch/local.py): the median 4-byte all-reduce gives the latency per ring
-  step (2 ranks: 2 steps), the median 8 MB one the bandwidth (2 ranks: each sends K); medians, not
-  the best, since a step pays the typical call (on the 2-core machine the best 8 MB all-reduce ran
-  at 2.3 GB/s, the median at 1.4);
+  multi-process lock of launch/local.py), each call after a few ms of matmuls as in a step, the
+  mean counted: a 4 KB all-reduce gives the latency per ring step (2 ranks: 2 steps), an 8 MB
+  one the bandwidth (2 ranks: each sends K);
 - memory bandwidth: the best copy of a 64 MB tensor (the optimizer step streams model state);
 - block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
   remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
@@ -51,7 +50,7 @@ UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "b
                 "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0}
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
-SMALL, LARGE = 1, 2 * 2**20  # float32 elements of the latency and the bandwidth all-reduce
+SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
 
 
 def cache_path() -> Path:
@@ -79,7 +78,8 @@ def local_figures(precision: str, spawn: bool = True) -> dict:
             "memory": f"{ram // per_node}B", "peak_flops": {precision: peak, "fp32": cpu_peak("fp32")[0]},
             "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
             "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
-            "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"]}
+            "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
+            "overlap": False}  # one process per core: the cores do the collectives' work (costs/hardware.py)
 
 
 def _read(path: Path) -> dict:
@@ -188,20 +188,30 @@ def _engines_child(threads: int) -> None:
 
 
 def _link_child(rank: int, store_path: str) -> None:
-    """One of the 2 calibration processes: the median time of small all-reduces (2 ring steps on 2
-    ranks: latency = t / 2) and the best of large ones (each rank sends K: bandwidth = K / (t - 2 latency))."""
+    """One of the 2 calibration processes. A step issues each collective after a stretch of compute,
+    and its time sums many of them: so each all-reduce here follows the same ~7 ms of matmuls on
+    both ranks, and the mean counts (on the 2-core machine the calls are bimodal, 0.3-0.5 ms or
+    about 3 ms while the peer's communication threads wake up). Latency per ring step: the mean
+    4 KB all-reduce / 2 (2 ring steps on 2 ranks); bandwidth: each rank sends K of an 8 MB one,
+    K / (mean - 2 latency)."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    small, large = torch.ones(SMALL), torch.ones(LARGE)
-    for _ in range(20):
-        dist.all_reduce(small)
-    times = sorted(_timed(lambda: dist.all_reduce(small)) for _ in range(200))
-    latency = times[len(times) // 2] / 2
-    dist.all_reduce(large)
-    times = sorted(_timed(lambda: dist.all_reduce(large)) for _ in range(15))
-    k = large.numel() * large.element_size()
+    a = torch.randn(256, 256)
+
+    def mean_after_work(tensor: torch.Tensor, calls: int) -> float:
+        for _ in range(3):
+            dist.all_reduce(tensor)
+        total = 0.0
+        for _ in range(calls):
+            for _ in range(20):  # about 7 ms of matmuls on one core
+                a @ a
+            total += _timed(lambda: dist.all_reduce(tensor))
+        return total / calls
+    latency = mean_after_work(torch.ones(SMALL), 40) / 2
+    large = torch.ones(LARGE)
+    seconds = mean_after_work(large, 20)
+    bandwidth = large.numel() * large.element_size() / max(seconds - 2 * latency, 1e-9)
     if rank == 0:
-        print(json.dumps({"latency": latency, "bandwidth": k / max(times[len(times) // 2] - 2 * latency, 1e-9)}),
-              flush=True)
+        print(json.dumps({"latency": latency, "bandwidth": bandwidth}), flush=True)
     dist.destroy_process_group()
 
 

@@ -46,6 +46,9 @@ class Hardware:
     # block's share of the math: the engine's host work (DTensor dispatch, hooks, copy-in/out)
     tp_overhead: float = 0.0
     fsdp_overhead: float = 0.0
+    # collectives run beside compute on their own engine (a GPU: NCCL's kernels, copy engines); False
+    # on a CPU, whose cores do a collective's copies and sums themselves: nothing is hidden
+    overlap: bool = True
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -104,7 +107,15 @@ def hardware_of(raw, where: str) -> Hardware:
                     parse_bytes(str(raw.get("memory")), f"--hardware file '{where}' memory"),
                     {k: _number(peaks, k, where) for k in DTYPES if k in peaks},
                     _number(raw, "memory_bandwidth", where), links["intra_node"], links["inter_node"],
-                    efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead")))
+                    efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead")),
+                    _flag(raw, "overlap", where))
+
+
+def _flag(raw: dict, key: str, where: str) -> bool:
+    value = raw.get(key, True)
+    if not isinstance(value, bool):
+        raise UsageError(f"--hardware file '{where}': {key} must be true or false (got {value!r})")
+    return value
 
 
 def _optional(raw: dict, key: str, where: str) -> float:

@@ -28,6 +28,9 @@ What overlaps with compute, and why:
   before the next action), ZeRO-1/2's reduce-scatter (this project's engine issues it synchronously
   in the backward hook: parallel/zero_shard.py) and its all-gather of updated slices (after the
   optimizer step, nothing left to overlap), the tied embedding's all-reduce (after backward).
+On a CPU (`local`: Hardware.overlap false) nothing is hidden: the same cores that compute do a
+collective's copies and sums (gloo's threads, the kernel's loopback TCP), so an overlapped
+collective takes its time from the compute beside it.
 The step is the slowest pipeline rank's compute + the bubble + the largest exposed
 communication and optimizer time of any rank. tokens/s = batch_size x block_size / step; MFU
 counts model FLOPs only (6N + 12 L h s per token, no recomputation) over every rank's peak.
@@ -160,7 +163,7 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, co
     for c in traffic:
         seconds, where = collective_seconds(c, lay, hw)
         exposed = seconds
-        if c.overlaps:  # DDP's window is the last micro-batch's backward; FSDP2's the whole step
+        if c.overlaps and hw.overlap:  # DDP's window is the last micro-batch's backward; FSDP2's the whole step
             fsdp = c.kind == "all-gather" or lay.strategy.value in ("fsdp", "zero-3")
             beside = window if fsdp else min(window, sum(compute) * 2 / 3 / lay.microbatches)
             exposed = max(seconds - beside, seconds / max(1, c.calls))

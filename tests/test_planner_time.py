@@ -86,6 +86,8 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
     ("FILE", "needs intra_node"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\ntp_overhead: -0.001\n", "needs tp_overhead: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\noverlap: sometimes\n", "overlap must be true or false"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -105,6 +107,17 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     # the engines' host work per block, measured on the fake group: DTensor's dispatch and
     # FSDP2's hooks cost more than the plain block's own fixed cost here (7 and 2.3 ms vs 0.9)
     assert first.tp_overhead > first.fsdp_overhead > 0 and first.tp_overhead > first.block_overhead
+    assert not first.overlap  # the CPU's cores do the collectives' work
+
+
+def test_without_a_communication_engine_nothing_is_hidden(tmp_path):
+    # FSDP2's all-gathers hide behind compute on a GPU; on a CPU (overlap false) every second counts
+    cpu_like = dataclasses.replace(load_hardware("h100-sxm"), overlap=False)
+    cfg = load_config(None, XL + [f"trainer.run_dir={tmp_path}", "parallel.strategy=fsdp"])
+    lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 50257), planner.check_layout(cfg, 16), True, None, cpu_like)
+    gathers = [t for t in lp.time.terms if t.name.startswith("all-gather")]
+    assert gathers and all(t.exposed == t.seconds > 0 for t in gathers)
+    assert lp.time.step_s == pytest.approx(sum(t.exposed for t in lp.time.terms))
 
 
 def test_engine_overheads_charge_only_their_layouts(tmp_path):
