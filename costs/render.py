@@ -49,7 +49,7 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
     LayerNorm gradients, Partial after backward and all-reduced once; vocabulary-parallel: the
     embedding's all-reduce, the head input's gradient, loss_parallel's 3 bs reductions; pp: activations forward and gradients backward, E per stage
     boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
-  bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, 0 for zero-bubble (weight passes fill it)
+  bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, zero-bubble: torch's action lists played out (weight passes fill most of it)
   step: slowest rank's 3 x forward FLOPs (+1 forward with checkpointing) / (efficiency x peak) + bubble + communication
        not hidden (latency per ring step + bytes / link bandwidth; DDP buckets and FSDP2 overlap compute, tp and pp do not)
        + AdamW's 32 B per element / memory bandwidth; MFU = (6N + 12Lhs) x tokens/s / (peak x ranks): docs/planner.md#step-time

@@ -4,7 +4,9 @@ fraction of a schedule step.
 gpipe keeps all M micro-batches of a stage; 1f1b min(M, p - rank) (torch's warm-up, then one
 backward before each forward); the interleaved and zero-bubble schedules are replayed from torch's
 own action order (`torch.distributed.pipelining.schedules`, private API, torch 2.13). Bubble:
-(p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v m+p-1) interleaved, 0 for zero-bubble.
+(p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v m+p-1) interleaved, and for zero-bubble torch's action
+lists of every rank played out with F = I = W (tests/test_planner.py checks that the same play of
+the interleaved lists gives the interleaved formula).
 """
 from __future__ import annotations
 
@@ -33,23 +35,10 @@ def inflight_per_stage(lay: PlannedLayout) -> list[dict[int, int]]:
 def _replay_order(lay: PlannedLayout, rank: int, stages: list[int]) -> dict[int, int]:
     """Replays one rank's action list of torch.distributed.pipelining: a forward adds a
     micro-batch to its stage, a full backward (or, split, the weight half: the input half keeps the
-    graph for it) frees it; returns the counts at the moment most are alive. The schedules compute
-    the list from a few integers in `_calculate_single_rank_operations` (torch 2.13, private), so
-    an instance is made without stages or a process group to reach it; tests/test_planner.py
-    checks the result against the Megatron warm-up formula."""
-    p, m, v = lay.pp, lay.microbatches, lay.stages_per_rank
-    if lay.pp_schedule == "interleaved_1f1b":
-        cls = schedules.ScheduleInterleaved1F1B
-    elif v == 2:
-        cls = schedules.ScheduleZBVZeroBubble
-    else:
-        cls = schedules.ScheduleInterleavedZeroBubble
-    obj = cls.__new__(cls)
-    obj.pp_group_size, obj.n_local_stages, obj._n_microbatches = p, v, m
-    obj.num_stages = p * v
-    obj.number_of_rounds = max(1, m // p)
-    obj.microbatches_per_round = m // obj.number_of_rounds
-    actions = [a for a in obj._calculate_single_rank_operations(rank) if a is not None]
+    graph for it) frees it; returns the counts at the moment most are alive (`rank_actions` says
+    where the list comes from); tests/test_planner.py checks the result against the Megatron
+    warm-up formula."""
+    actions = rank_actions(lay, rank)
     kinds = schedules._ComputationType
     split = any(a.computation_type == kinds.BACKWARD_WEIGHT for a in actions)
     frees = kinds.BACKWARD_WEIGHT if split else kinds.FULL_BACKWARD
@@ -66,10 +55,64 @@ def _replay_order(lay: PlannedLayout, rank: int, stages: list[int]) -> dict[int,
     return peak
 
 
+def rank_actions(lay: PlannedLayout, rank: int) -> list:
+    """One pp rank's compute actions in torch's order (interleaved and zero-bubble schedules). The
+    schedules compute the list from a few integers in `_calculate_single_rank_operations` (torch
+    2.13, private), so an instance is made without stages or a process group to reach it."""
+    p, m, v = lay.pp, lay.microbatches, lay.stages_per_rank
+    if lay.pp_schedule == "interleaved_1f1b":
+        cls = schedules.ScheduleInterleaved1F1B
+    elif v == 2:
+        cls = schedules.ScheduleZBVZeroBubble
+    else:
+        cls = schedules.ScheduleInterleavedZeroBubble
+    obj = cls.__new__(cls)
+    obj.pp_group_size, obj.n_local_stages, obj._n_microbatches = p, v, m
+    obj.num_stages = p * v
+    obj.number_of_rounds = max(1, m // p)
+    obj.microbatches_per_round = m // obj.number_of_rounds
+    return [a for a in obj._calculate_single_rank_operations(rank) if a is not None]
+
+
 def bubble_fraction(lay: PlannedLayout) -> float:
-    """Idle fraction of a schedule step when forward and backward of a stage take equal time;
-    zero-bubble schedules fill it with weight-gradient work (about 0 when F = B = W)."""
-    if lay.pp == 1 or lay.pp_schedule == "zero_bubble":
+    """Idle fraction of a schedule step, averaged over ranks, when a stage's forward, its input
+    gradient and its weight gradient take one unit each (a full backward two): the formulas for
+    gpipe/1f1b and interleaved, torch's own zero-bubble action lists played out (`simulated_bubble`:
+    weight gradients fill most of the bubble, not all: 1/13 at p = 2, M = 4, against 1F1B's 1/5)."""
+    if lay.pp == 1:
         return 0.0
+    if lay.pp_schedule == "zero_bubble":
+        return simulated_bubble([rank_actions(lay, r) for r in range(lay.pp)], lay.num_stages)
     v = lay.stages_per_rank if lay.pp_schedule == "interleaved_1f1b" else 1
     return (lay.pp - 1) / (v * lay.microbatches + lay.pp - 1)
+
+
+def simulated_bubble(per_rank: list[list], stages: int) -> float:
+    """Plays the ranks' action lists: each rank runs its actions in order, an action starts when
+    its rank is free and what it needs is done (a forward: the previous stage's forward of that
+    micro-batch; an input or full backward: the next stage's); returns 1 - busy / span averaged
+    over ranks. Communication is free here (the planner's collective terms cost it)."""
+    kinds = schedules._ComputationType
+    cost = {kinds.FORWARD: 1.0, kinds.BACKWARD_INPUT: 1.0, kinds.BACKWARD_WEIGHT: 1.0, kinds.FULL_BACKWARD: 2.0}
+    backward = (kinds.FULL_BACKWARD, kinds.BACKWARD_INPUT)
+    done: dict[tuple[int, int, bool], float] = {}  # (stage, micro-batch, is a backward) -> end time
+    free, next_action = [0.0] * len(per_rank), [0] * len(per_rank)
+    moved = True
+    while moved:
+        moved = False
+        for r, actions in enumerate(per_rank):
+            while next_action[r] < len(actions):
+                a = actions[next_action[r]]
+                s, i, kind = a.stage_index, a.microbatch_index, a.computation_type
+                need = ((s - 1, i, False) if kind == kinds.FORWARD and s > 0 else
+                        (s + 1, i, True) if kind in backward and s < stages - 1 else None)
+                if need is not None and need not in done:
+                    break  # wait for another rank
+                free[r] = max(free[r], done[need] if need else 0.0) + cost[kind]
+                done[(s, i, kind in backward)] = free[r]
+                next_action[r] += 1
+                moved = True
+    if any(n < len(actions) for n, actions in zip(next_action, per_rank)):
+        raise RuntimeError("the pipeline schedule's action lists deadlock")  # torch's lists never do
+    span = max(free)
+    return sum(1 - sum(cost[a.computation_type] for a in actions) / span for actions in per_rank) / len(per_rank)

@@ -6,7 +6,7 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
     overhead  = block_overhead (+ tp_overhead with tp > 1) (+ fsdp_overhead under FSDP2)     fixed host work
     recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
-    bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, 0 zero-bubble
+    bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (costs/schedule.py)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
 
