@@ -56,6 +56,9 @@ class ModelConfig:
     bias: bool = True
     tie_weights: bool = True
     gelu: str = "erf"  # erf (exact) | tanh (GPT-2's approximation, needed by GPT-2 weights)
+    activation: str = "gelu"  # gelu | relu2 (relu(x)^2, the speedruns' MLP)
+    qk_norm: bool = False  # RMS-normalise q and k per head before attention
+    zero_init_proj: bool = False  # both output projections of every block start at zero
     init_from: str = ""  # start a new run from weights: a Hugging Face GPT-2 folder or a model.pt
     size: str = ""  # a named GPT-2 shape (gpt2 | gpt2-medium | gpt2-large | gpt2-xl) for n_layer/n_head/n_embd
 
@@ -160,8 +163,10 @@ class Config:
         shape.pop("dropout")
         shape.pop("init_from")  # only where a run starts: a resume loads the snapshot's weights
         shape.pop("size")  # a name for n_layer/n_head/n_embd, which are in the hash themselves
-        if shape["gelu"] == "erf":  # the form every run used before the key existed: same hash
-            shape.pop("gelu")
+        shape.pop("zero_init_proj")  # how the weights start, not what they compute
+        for key, before in (("gelu", "erf"), ("activation", "gelu"), ("qk_norm", False)):
+            if shape[key] == before:  # what every run used before the key existed: the same hash
+                shape.pop(key)
         shape["tokenizer"] = self.data.tokenizer
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -341,6 +346,7 @@ def _validate_model(m: ModelConfig) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise UsageError(f"model.dropout must be in [0, 1), got {m.dropout}")
     _choice("model.gelu", m.gelu, ("erf", "tanh"))
+    _choice("model.activation", m.activation, ("gelu", "relu2"))
     if m.init_from and not Path(m.init_from).expanduser().exists():
         raise UsageError(f"model.init_from '{m.init_from}' does not exist; give a Hugging Face GPT-2 "
                          f"folder (config.json + model.safetensors) or a run's model.pt")

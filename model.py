@@ -35,6 +35,13 @@ class GPTConfig:
     # is the approximation GPT-2 was trained with (Hugging Face's "gelu_new"): imported GPT-2
     # weights need it to give GPT-2's logits.
     gelu: str = "erf"
+    # Options of the modded-nanogpt speedruns (https://github.com/KellerJordan/modded-nanogpt), off by
+    # default: "relu2" is the MLP activation relu(x)^2; qk_norm RMS-normalises q and k per head
+    # (no weight, so every layout shards it as it shards q and k); zero_init_proj starts both output
+    # projections of every block at zero, so each block begins as the identity.
+    activation: str = "gelu"
+    qk_norm: bool = False
+    zero_init_proj: bool = False
 
     @classmethod
     def of(cls, model_cfg, vocab_size: int) -> "GPTConfig":
@@ -64,12 +71,15 @@ class CausalSelfAttention(nn.Module):
         self.out_proj.residual_scale = True  # GPT-2 init: std / sqrt(2 * n_layer)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # (B, T, C) -> (B, heads, T, head_dim). "-1" heads: under TP a rank holds n_head / tp heads.
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.qk_norm:  # over head_dim: a head's own statistic, whichever rank holds the head
+            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, t, -1)
@@ -84,9 +94,12 @@ class MLP(nn.Module):
         self.proj.residual_scale = True
         self.drop = nn.Dropout(cfg.dropout)
         self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"
+        self.relu2 = cfg.activation == "relu2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.gelu_approximate)))
+        h = self.fc(x)
+        h = F.relu(h).square() if self.relu2 else F.gelu(h, approximate=self.gelu_approximate)
+        return self.drop(self.proj(h))
 
 
 class Block(nn.Module):
@@ -130,8 +143,12 @@ class GPT(nn.Module):
         # GPT-2: N(0, 0.02) everywhere; residual projections N(0, 0.02 / sqrt(2 L)) because each
         # block adds two of them to the residual stream and its variance would grow with depth.
         if isinstance(module, nn.Linear):
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scale", False) else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+            residual = getattr(module, "residual_scale", False)
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
+            if residual and self.cfg.zero_init_proj:
+                nn.init.zeros_(module.weight)
+            else:
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):

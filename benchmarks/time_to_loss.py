@@ -2,6 +2,7 @@
 
     python benchmarks/time_to_loss.py                  # every row, seed 1337, 2 threads
     python benchmarks/time_to_loss.py --seeds 1337 42
+    python benchmarks/time_to_loss.py --first-row 5    # the preset, then each model option alone on it
 
 Each row trains nanoGPT's CPU model (4 x 4 x 128, block 64, no biases, benchmarks/cpu_shakespeare.py's
 NANOGPT_CPU) with the changes of the rows above it plus its own, for a step count that keeps the
@@ -10,7 +11,8 @@ threads, evaluation only at the end, start-up included in the wall time). The va
 benchmarks/vs_nanogpt.py's: the final weights on the whole validation split of nanoGPT's, in
 non-overlapping 64-token windows. The target is nanoGPT's own val loss at its step 2000 measured
 the same way (`--target`, default the figure in docs/performance.md); vs_nanogpt.py --preset
-measures it side by side.
+measures it side by side. Then each of the modded-nanogpt speedruns' model options (OPTIONS) alone
+on top of the last row, the preset.
 """
 from __future__ import annotations
 
@@ -36,6 +38,13 @@ ROWS = [
     ("batch 32, LR 1e-2, warmup 25", 250, ["trainer.batch_size=32", "optimizer.lr=1e-2", "optimizer.warmup_steps=25"]),
     ("LR 2e-2 (presets/cpu_speedrun.yaml)", 250, ["optimizer.lr=2e-2"]),
 ]
+# the modded-nanogpt speedruns' model options, each alone on top of the last row (the preset)
+OPTIONS = [
+    ("+ ReLU^2 MLP", ["model.activation=relu2"]),
+    ("+ QK-norm", ["model.qk_norm=true"]),
+    ("+ zero-initialised output projections", ["model.zero_init_proj=true"]),
+    ("+ untied LM head", ["model.tie_weights=false"]),
+]
 
 
 def train(run: Path, steps: int, seed: int, overrides: list[str], threads: int) -> tuple[float, float]:
@@ -58,6 +67,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", type=float, default=1.8982, help="nanoGPT's val loss at its step 2000")
+    ap.add_argument("--first-row", type=int, default=0,
+                    help="train from this row on (0-based; the rows above still add their changes)")
     args = ap.parse_args()
     print(f"| change (cumulative) | steps | wall s | val loss | <= {args.target} |")
     print("|---|---|---|---|---|")
@@ -65,11 +76,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for i, (name, steps, extra) in enumerate(ROWS):
             overrides += extra
-            for seed in args.seeds:
-                wall, val = train(Path(d) / f"row{i}-{seed}", steps, seed, overrides, args.threads)
-                label = name if len(args.seeds) == 1 else f"{name}, seed {seed}"
-                print(f"| {label} | {steps} | {wall:.1f} | {val:.4f} | {'yes' if val <= args.target else 'no'} |",
-                      flush=True)
+            if i < args.first_row:
+                continue
+            row(Path(d) / f"row{i}", name, steps, overrides, args)
+        steps = ROWS[-1][1]
+        for i, (name, extra) in enumerate(OPTIONS):
+            row(Path(d) / f"option{i}", name, steps, overrides + extra, args)
+
+
+def row(run: Path, name: str, steps: int, overrides: list[str], args) -> None:
+    for seed in args.seeds:
+        wall, val = train(run.with_name(f"{run.name}-{seed}"), steps, seed, overrides, args.threads)
+        label = name if len(args.seeds) == 1 else f"{name}, seed {seed}"
+        print(f"| {label} | {steps} | {wall:.1f} | {val:.4f} | {'yes' if val <= args.target else 'no'} |", flush=True)
 
 
 if __name__ == "__main__":

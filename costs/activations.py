@@ -75,7 +75,10 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
         # autocast runs it in fp32 (measured on CPU), so only the out_proj input is 16-bit
         attn = 4 if am.casts else am.matmul
         total += 3 * e * attn // tp + 3 * b * heads * s * s * attn + e * am.matmul // tp
-    total += 8 * e * am.matmul // tp  # GELU input and output (4h each)
+    if g.qk_norm:  # rms_norm keeps fp32 copies of its q and k inputs (it computes in fp32 whatever
+        # their dtype; measured), one more q-sized tensor of the matmul dtype, and an fp32 rstd of each
+        total += (2 * e * 4 + e * am.matmul) // tp + 2 * b * heads * s * 4
+    total += 8 * e * am.matmul // tp  # GELU input and output (4h each), or ReLU's output and its square
     if g.dropout > 0:
         total += 2 * e * (am.matmul if am.cpu_masks else 1) // seq
     if am.casts:

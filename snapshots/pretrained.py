@@ -33,7 +33,9 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
 # Hugging Face's activation_function names -> model.gelu
 HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
 TOKENIZER_FILE = "mingpt_tokenizer.json"  # the project's tokenizer record, beside an exported folder
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias", "tie_weights", "gelu")
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias", "tie_weights", "gelu", "activation", "qk_norm")
+# What a model.pt (or GPT-2) from before a model setting existed computes: that setting's old behaviour
+BEFORE_THE_KEY = {"gelu": "erf", "activation": "gelu", "qk_norm": False}
 
 
 @dataclass
@@ -151,7 +153,7 @@ def adopt_source_shape(cfg: Config, explicit: set[str]) -> None:
     else:
         mf = read_model_file(path, who="model.init_from ", mmap=True,
                              fix="give a run's model.pt or a Hugging Face GPT-2 folder")
-        shape, tokenizer = {"gelu": "erf", **mf.model_config}, mf.tokenizer
+        shape, tokenizer = {**BEFORE_THE_KEY, **mf.model_config}, mf.tokenizer
     for key in SHAPE_KEYS:
         if f"model.{key}" not in explicit and key in shape:
             setattr(cfg.model, key, shape[key])
@@ -241,7 +243,7 @@ def check_tokenizer(src: Source, tokenizer_kind: str, stored: dict | None) -> di
 def check_shape(src: Source, gpt_cfg) -> None:
     """One line naming every model setting that differs from the source's."""
     mine = vars(gpt_cfg)
-    theirs = {"gelu": "erf", **src.model_config}  # a model.pt from before model.gelu existed: erf
+    theirs = {**BEFORE_THE_KEY, **src.model_config}
     diffs = [f"model.{k}={_show(theirs.get(k))} (config: {_show(mine[k])})"
              for k in SHAPE_KEYS if theirs.get(k) != mine[k]]
     if mine["block_size"] > src.model_config["block_size"]:
@@ -283,6 +285,11 @@ def write_hf(model_file: ModelFile, out: Path) -> None:
     """config.json + model.safetensors (+ the tokenizer record) of a model.pt's contents."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder for the Hugging Face export")
+    m = {**BEFORE_THE_KEY, **model_file.model_config}
+    if m["activation"] != "gelu" or m["qk_norm"]:
+        raise UsageError(f"this model was trained with model.activation={m['activation']} "
+                         f"qk_norm={str(m['qk_norm']).lower()}, which GPT-2's format cannot express; "
+                         f"keep --format pt (its model.pt loads here with sample.py and model.init_from)")
     tensors = _hf_tensors(model_file.model, model_file.model_config)
     config = _hf_config(model_file.model_config, gpt2=model_file.tokenizer.get("kind") == "gpt2")
     out.mkdir(parents=True, exist_ok=True)

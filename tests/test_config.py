@@ -9,6 +9,7 @@ parallel.* that belong to one strategy and wandb.* are tested next to their code
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -137,6 +138,8 @@ BAD_INPUTS = {
     "block_size": (["model.block_size=-4"], "model.block_size must be > 0"),
     "dropout": (["model.dropout=1.0"], "model.dropout must be in [0, 1)"),
     "gelu": (["model.gelu=relu"], "model.gelu='relu' is not one of erf, tanh"),
+    "activation": (["model.activation=swish"], "model.activation='swish' is not one of gelu, relu2"),
+    "qk_norm": (["model.qk_norm=maybe"], "model.qk_norm"),
     "init_from missing": (["model.init_from={root}/nope.pt"], "model.init_from '"),
     "max_steps": (["trainer.max_steps=0"], "trainer.max_steps must be > 0"),
     "max_epochs": (["trainer.max_epochs=-1"], "trainer.max_epochs must be >= 0"),
@@ -257,3 +260,18 @@ def test_a_string_key_keeps_an_override_as_typed():
     """YAML 1.1 reads 3:2 as the base-60 number 182: a string key takes the text itself."""
     cfg = load_config(None, ["trainer.profile=3:2", "trainer.run_dir=0x10"])
     assert cfg.trainer.profile == "3:2" and cfg.trainer.run_dir == "0x10"
+
+
+def test_model_fingerprint_holds_what_the_weights_compute_not_how_they_start():
+    # a snapshot resumes only into the same function: the activation and QK-norm change it (a
+    # resume with another one is refused), zero_init_proj only the start; a key at the value every
+    # run had before it existed leaves the hash of those runs' snapshots unchanged
+    def fingerprint(*overrides):
+        return load_config(None, list(overrides)).model_fingerprint()
+    base = fingerprint()
+    assert fingerprint("model.zero_init_proj=true") == base
+    assert len({base, fingerprint("model.activation=relu2"), fingerprint("model.qk_norm=true")}) == 3
+    shape = {k: v for k, v in Config().to_dict()["model"].items()
+             if k not in ("dropout", "init_from", "size", "gelu", "activation", "qk_norm", "zero_init_proj")}
+    before = hashlib.sha256(json.dumps({**shape, "tokenizer": "char"}, sort_keys=True).encode())
+    assert base == before.hexdigest()[:16]

@@ -145,6 +145,20 @@ def test_export_hf_loads_in_transformers_with_our_logits(variant, tmp_path):
         assert (back(ids) - want).abs().max().item() <= 1e-5
 
 
+def test_export_hf_refuses_what_gpt2_cannot_express(tmp_path, capsys):
+    # ReLU^2 and QK-norm have no GPT-2 config field: a GPT-2 folder of these weights would load in
+    # transformers and silently compute another function; one line, exit 2, nothing written
+    run = tmp_path / "run"
+    assert app.main(TINY + ["model.activation=relu2", "model.qk_norm=true", "parallel.strategy=none",
+                            "trainer.max_steps=2", "trainer.sample_tokens=0", f"trainer.run_dir={run}"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert export.main(["--run-dir", str(run), "--format", "hf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.activation=relu2 qk_norm=true" in err and "--format pt" in err, err
+    assert not out.exists()
+
+
 def test_init_from_model_pt_starts_a_new_run_and_a_resume_ignores_it(tmp_path, capsys):
     first = tmp_path / "first"
     assert app.main(TINY + ["parallel.strategy=none", "trainer.max_steps=4", "trainer.sample_tokens=0",
@@ -218,6 +232,7 @@ MISMATCHES = {
     "n_layer": (["model.n_layer=4"], "needs model.n_layer=2 (config: 4)"),
     "n_embd": (["model.n_embd=64"], "model.n_embd=32 (config: 64)"),
     "gelu": (["model.gelu=erf"], "model.gelu=tanh (config: erf)"),
+    "qk_norm": (["model.qk_norm=true"], "model.qk_norm=false (config: true)"),  # GPT-2 has none
     "bias": (["model.bias=false"], "model.bias=true (config: false)"),
     "block_size": (["model.block_size=128"], "model.block_size <= 64 (config: 128)"),
     "tokenizer": (["data.tokenizer=char"], "set data.tokenizer=gpt2"),

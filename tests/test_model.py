@@ -107,3 +107,29 @@ def test_flops_per_token_formula():
     # untied: the input embedding is a lookup (no FLOPs), the head is the same matmul
     untied = GPT(GPTConfig(vocab_size=v, block_size=t, n_layer=l, n_head=4, n_embd=c, tie_weights=False))
     assert untied.flops_per_token() == want
+
+
+def test_speedrun_options_compute_what_they_say():
+    # relu2: proj(relu(fc(x))^2); qk_norm: q and k scaled to unit RMS per head before attention
+    # (checked against attention written out); zero_init_proj: both output projections start at 0
+    torch.manual_seed(0)
+    g = GPTConfig(block_size=8, n_embd=16, n_head=2, activation="relu2", qk_norm=True, zero_init_proj=True)
+    model = GPT(g)
+    block = model.blocks["0"]
+    assert block.attn.out_proj.weight.abs().sum() == 0 and block.mlp.proj.weight.abs().sum() == 0
+    assert block.attn.q_proj.weight.abs().sum() > 0
+    for p in (block.attn.out_proj.weight, block.mlp.proj.weight):
+        torch.nn.init.normal_(p)
+    x = torch.randn(2, 8, 16)
+    mlp = block.mlp
+    assert torch.allclose(mlp(x), mlp.proj(torch.relu(mlp.fc(x)) ** 2), atol=1e-6)
+    attn = block.attn
+
+    def heads(t):
+        t = t.view(2, 8, 2, 8).transpose(1, 2)
+        return t / t.pow(2).mean(-1, keepdim=True).add(torch.finfo(t.dtype).eps).sqrt()
+    q, k = heads(attn.q_proj(x)), heads(attn.k_proj(x))
+    v = attn.v_proj(x).view(2, 8, 2, 8).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(torch.ones(8, 8).triu(1).bool(), float("-inf"))
+    want = attn.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 8, 16))
+    assert torch.allclose(attn(x), want, atol=1e-5)

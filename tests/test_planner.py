@@ -80,7 +80,8 @@ def test_zero_formulas_and_ring_volumes(tmp_path):
 
 @pytest.mark.parametrize("overrides", [
     "", "parallel.activation_checkpointing=true", "model.dropout=0.1", "trainer.precision=bf16",
-    "trainer.precision=bf16 parallel.activation_checkpointing=true model.tie_weights=false model.bias=false"])
+    "trainer.precision=bf16 parallel.activation_checkpointing=true model.tie_weights=false model.bias=false",
+    "model.activation=relu2 model.qk_norm=true", "model.activation=relu2 model.qk_norm=true trainer.precision=bf16"])
 def test_activations_saved_for_backward_one_process(tmp_path, overrides):
     cfg = config(tmp_path, "parallel.strategy=none", "trainer.batch_size=4", "trainer.micro_batch_size=0",
                  *overrides.split())

@@ -8,8 +8,10 @@ the schedule's forward-only pass, loss on the last stage). fp16 cases (loss scal
 DistributedGradScaler) compare with one fp16 process; under tp only the loss can agree (see
 assert_tp_fp16_tracks). Two launches cover every case:
   2 processes: tp=2 (replicated head), tp=2 vocab-parallel + sequence-parallel + activation
-               checkpointing, pp=2 with each schedule (tied weights), pp=2 untied with an uneven
-               split and activation checkpointing; fp16 at tp=2, pp=2 and fsdp x pp=2 (dp=1:
+               checkpointing, pp=2 with each schedule (tied weights), the untied head with the
+               speedruns' model options (ReLU^2, QK-norm, zero-initialised projections) at pp=2
+               with an uneven split and activation checkpointing and at tp=2 vocab-parallel +
+               sequence-parallel; fp16 at tp=2, pp=2 and fsdp x pp=2 (dp=1:
                plain parameters, fused AdamW);
   4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), pp=4 (middle stages hold no tied copy),
                tp=2 x pp=2 (ZB-V, vocab-parallel, SP); fp16 at tp=2 x pp=2 and fsdp dp=2 x pp=2,
@@ -50,8 +52,11 @@ TWO = {
     "fsdp_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
     "pp2_1f1b_muon": "parallel.pp=2 parallel.pp_schedule=1f1b optimizer.name=muon",  # each stage's whole matrices
 }
-TWO_UNTIED = {"pp2_untied_split31_ac": ("parallel.pp=2 parallel.pp_split=3,1 model.tie_weights=false "
-                                        "parallel.activation_checkpointing=true")}
+# the untied head with the speedruns' model options: a pipeline with an uneven split and recomputation,
+# and tp with vocabulary and sequence parallelism (q and k normalised per head on the rank holding it)
+OPTIONS = "model.tie_weights=false model.activation=relu2 model.qk_norm=true model.zero_init_proj=true"
+TWO_UNTIED = {"pp2_untied_split31_ac": f"parallel.pp=2 parallel.pp_split=3,1 parallel.activation_checkpointing=true {OPTIONS}",
+              "tp2_vocab_sp_untied": f"parallel.tp=2 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true {OPTIONS}"}
 FOUR = {
     "fsdp_dp2_tp2": "parallel.strategy=fsdp parallel.tp=2",
     "ddp_dp2_pp2": "parallel.strategy=ddp parallel.pp=2",
@@ -110,8 +115,7 @@ def assert_tp_fp16_tracks(ref: dict, got: dict, name: str) -> None:
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     return {"tied": run_steps(["parallel.strategy=none"], STEPS, out / "tied", evaluate=True),
-            "untied": run_steps(["parallel.strategy=none", "model.tie_weights=false"], STEPS, out / "untied",
-                                evaluate=True),
+            "untied": run_steps(["parallel.strategy=none", *OPTIONS.split()], STEPS, out / "untied", evaluate=True),
             "tied_fp16": run_steps(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16",
                                    evaluate=True),
             "muon": run_steps(["parallel.strategy=none", "optimizer.name=muon"], STEPS, out / "muon", evaluate=True)}
