@@ -10,6 +10,8 @@ the interleaved lists gives the interleaved formula).
 """
 from __future__ import annotations
 
+import functools
+
 from torch.distributed.pipelining import schedules
 
 from costs.records import PlannedLayout
@@ -38,7 +40,7 @@ def _replay_order(lay: PlannedLayout, rank: int, stages: list[int]) -> dict[int,
     graph for it) frees it; returns the counts at the moment most are alive (`rank_actions` says
     where the list comes from); tests/test_planner.py checks the result against the Megatron
     warm-up formula."""
-    actions = rank_actions(lay, rank)
+    actions = rank_actions(lay.pp_schedule, lay.pp, lay.microbatches, lay.stages_per_rank, rank)
     kinds = schedules._ComputationType
     split = any(a.computation_type == kinds.BACKWARD_WEIGHT for a in actions)
     frees = kinds.BACKWARD_WEIGHT if split else kinds.FULL_BACKWARD
@@ -55,12 +57,12 @@ def _replay_order(lay: PlannedLayout, rank: int, stages: list[int]) -> dict[int,
     return peak
 
 
-def rank_actions(lay: PlannedLayout, rank: int) -> list:
-    """One pp rank's compute actions in torch's order (interleaved and zero-bubble schedules). The
-    schedules compute the list from a few integers in `_calculate_single_rank_operations` (torch
-    2.13, private), so an instance is made without stages or a process group to reach it."""
-    p, m, v = lay.pp, lay.microbatches, lay.stages_per_rank
-    if lay.pp_schedule == "interleaved_1f1b":
+def rank_actions(schedule: str, p: int, m: int, v: int, rank: int) -> list:
+    """One pp rank's compute actions in torch's order (interleaved_1f1b or zero_bubble, p ranks, M
+    micro-batches, v stages per rank). The schedules compute the list from these integers in
+    `_calculate_single_rank_operations` (torch 2.13, private), so an instance is made without
+    stages or a process group to reach it."""
+    if schedule == "interleaved_1f1b":
         cls = schedules.ScheduleInterleaved1F1B
     elif v == 2:
         cls = schedules.ScheduleZBVZeroBubble
@@ -82,9 +84,17 @@ def bubble_fraction(lay: PlannedLayout) -> float:
     if lay.pp == 1:
         return 0.0
     if lay.pp_schedule == "zero_bubble":
-        return simulated_bubble([rank_actions(lay, r) for r in range(lay.pp)], lay.num_stages)
+        return _zero_bubble(lay.pp, lay.microbatches, lay.stages_per_rank)
     v = lay.stages_per_rank if lay.pp_schedule == "interleaved_1f1b" else 1
     return (lay.pp - 1) / (v * lay.microbatches + lay.pp - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble(pp: int, microbatches: int, stages_per_rank: int) -> float:
+    """One play per schedule shape: a plan asks for the same one per layout and per rank (p = 128,
+    M = 512 takes about a second)."""
+    return simulated_bubble([rank_actions("zero_bubble", pp, microbatches, stages_per_rank, r) for r in range(pp)],
+                            pp * stages_per_rank)
 
 
 def simulated_bubble(per_rank: list[list], stages: int) -> float:

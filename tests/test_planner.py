@@ -191,10 +191,8 @@ def test_played_out_schedules_give_the_interleaved_formula_and_zero_bubbles_real
     most of 1F1B's bubble but not all: at p = 2, M = 4 rank 0 idles 1 unit of the 13 its 4 x (F,
     I, W) span."""
     def layout(schedule, v):
-        return SimpleNamespace(pp=pp, microbatches=microbatches, stages_per_rank=v, pp_schedule=schedule,
-                               num_stages=pp * v)
-    inter = layout("interleaved_1f1b", 2)
-    played = simulated_bubble([rank_actions(inter, r) for r in range(pp)], pp * 2)
+        return SimpleNamespace(pp=pp, microbatches=microbatches, stages_per_rank=v, pp_schedule=schedule)
+    played = simulated_bubble([rank_actions("interleaved_1f1b", pp, microbatches, 2, r) for r in range(pp)], pp * 2)
     assert played == pytest.approx((pp - 1) / (2 * microbatches + pp - 1))
     zb1p, zbv = bubble_fraction(layout("zero_bubble", 1)), bubble_fraction(layout("zero_bubble", 2))
     one_f_one_b = (pp - 1) / (microbatches + pp - 1)
