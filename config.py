@@ -158,12 +158,12 @@ class Config:
         return redact_strings(dataclasses.asdict(self))
 
     def model_fingerprint(self) -> str:
-        """Hash of what fixes the parameter shapes: a snapshot only loads into the same shapes."""
+        """Hash of the parameter shapes and the function they compute: a snapshot only loads into
+        the same. Left out: dropout, init_from and zero_init_proj (where and how a run starts: a
+        resume loads the snapshot's weights), size (a name for n_layer/n_head/n_embd)."""
         shape = dataclasses.asdict(self.model)
-        shape.pop("dropout")
-        shape.pop("init_from")  # only where a run starts: a resume loads the snapshot's weights
-        shape.pop("size")  # a name for n_layer/n_head/n_embd, which are in the hash themselves
-        shape.pop("zero_init_proj")  # how the weights start, not what they compute
+        for key in ("dropout", "init_from", "zero_init_proj", "size"):
+            shape.pop(key)
         for key, before in (("gelu", "erf"), ("activation", "gelu"), ("qk_norm", False)):
             if shape[key] == before:  # what every run used before the key existed: the same hash
                 shape.pop(key)
