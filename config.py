@@ -162,11 +162,9 @@ class Config:
         the same. Left out: dropout, init_from and zero_init_proj (where and how a run starts: a
         resume loads the snapshot's weights), size (a name for n_layer/n_head/n_embd)."""
         shape = dataclasses.asdict(self.model)
-        for key in ("dropout", "init_from", "zero_init_proj", "size"):
-            shape.pop(key)
-        for key, before in (("gelu", "erf"), ("activation", "gelu"), ("qk_norm", False)):
-            if shape[key] == before:  # what every run used before the key existed: the same hash
-                shape.pop(key)
+        shape = {k: v for k, v in shape.items() if k not in ("dropout", "init_from", "zero_init_proj", "size")
+                 and (k, v) not in (("gelu", "erf"), ("activation", "gelu"), ("qk_norm", False))}  # keys
+        # at what every run used before they existed: those runs' snapshots keep their hash
         shape["tokenizer"] = self.data.tokenizer
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
