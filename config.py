@@ -160,11 +160,11 @@ class Config:
     def model_fingerprint(self) -> str:
         """Hash of the parameter shapes and the function they compute: a snapshot only loads into
         the same. Left out: dropout, init_from and zero_init_proj (where and how a run starts: a
-        resume loads the snapshot's weights), size (a name for n_layer/n_head/n_embd)."""
-        shape = dataclasses.asdict(self.model)
-        shape = {k: v for k, v in shape.items() if k not in ("dropout", "init_from", "zero_init_proj", "size")
-                 and (k, v) not in (("gelu", "erf"), ("activation", "gelu"), ("qk_norm", False))}  # keys
-        # at what every run used before they existed: those runs' snapshots keep their hash
+        resume loads the snapshot's weights), size (a name for n_layer/n_head/n_embd), and a key
+        at the value every run had before it existed (older snapshots keep their hash)."""
+        shape = {k: v for k, v in dataclasses.asdict(self.model).items()
+                 if k not in ("dropout", "init_from", "zero_init_proj", "size")
+                 and (k, v) not in (("gelu", "erf"), ("activation", "gelu"), ("qk_norm", False))}
         shape["tokenizer"] = self.data.tokenizer
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
