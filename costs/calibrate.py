@@ -10,7 +10,8 @@
 - block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
   remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
 - engine overheads: what a tensor-parallel (tp 2) and an FSDP2-sharded (2 ranks) tiny GPT cost per
-  block per micro-batch beyond the plain model's share of the same math, timed in one process on
+  block per micro-batch beyond the plain tiny GPT's step (whose math takes microseconds and whose
+  fixed cost per block is the block overhead above), timed in one process on
   torch's fake process group (its collectives return at once, so what remains is the engine's
   host work: DTensor dispatch and redistribution, FSDP2's hooks and copy-in/out);
 - compute efficiency: forward + backward of a 256-wide block on 8 x 128 tokens (about 10 GFLOP),
@@ -18,7 +19,7 @@
   matmuls, attention and element-wise work reach together (0.7-0.8 on the 2-core machine; a
   narrower model reaches less, which the overhead term partly covers).
 
-The last four are cached in `local-hardware.json` beside the CPU peak cache
+The last five are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
 version. `spawn=False` (a launch under torchrun, whose cores are busy and which holds the lock)
 never starts processes: without a cache it uses the UNCALIBRATED figures below and says so.
@@ -209,7 +210,8 @@ def _link_child(rank: int, store_path: str) -> None:
     latency = mean_after_work(torch.ones(SMALL), 40) / 2
     large = torch.ones(LARGE)
     seconds = mean_after_work(large, 20)
-    bandwidth = large.numel() * large.element_size() / max(seconds - 2 * latency, 1e-9)
+    # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
+    bandwidth = large.numel() * large.element_size() / max(seconds - 2 * latency, seconds / 2)
     if rank == 0:
         print(json.dumps({"latency": latency, "bandwidth": bandwidth}), flush=True)
     dist.destroy_process_group()

@@ -105,7 +105,7 @@ def simulated_bubble(per_rank: list[list], stages: int) -> float:
     kinds = schedules._ComputationType
     cost = {kinds.FORWARD: 1.0, kinds.BACKWARD_INPUT: 1.0, kinds.BACKWARD_WEIGHT: 1.0, kinds.FULL_BACKWARD: 2.0}
     backward = (kinds.FULL_BACKWARD, kinds.BACKWARD_INPUT)
-    done: dict[tuple[int, int, bool], float] = {}  # (stage, micro-batch, is a backward) -> end time
+    done: dict[tuple[int, int, str], float] = {}  # (stage, micro-batch, "F" or "B") -> end time
     free, next_action = [0.0] * len(per_rank), [0] * len(per_rank)
     moved = True
     while moved:
@@ -114,12 +114,13 @@ def simulated_bubble(per_rank: list[list], stages: int) -> float:
             while next_action[r] < len(actions):
                 a = actions[next_action[r]]
                 s, i, kind = a.stage_index, a.microbatch_index, a.computation_type
-                need = ((s - 1, i, False) if kind == kinds.FORWARD and s > 0 else
-                        (s + 1, i, True) if kind in backward and s < stages - 1 else None)
+                need = ((s - 1, i, "F") if kind == kinds.FORWARD and s > 0 else
+                        (s + 1, i, "B") if kind in backward and s < stages - 1 else None)
                 if need is not None and need not in done:
                     break  # wait for another rank
                 free[r] = max(free[r], done[need] if need else 0.0) + cost[kind]
-                done[(s, i, kind in backward)] = free[r]
+                if kind != kinds.BACKWARD_WEIGHT:  # nothing waits for a weight gradient
+                    done[(s, i, "B" if kind in backward else "F")] = free[r]
                 next_action[r] += 1
                 moved = True
     if any(n < len(actions) for n, actions in zip(next_action, per_rank)):

@@ -168,7 +168,7 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, co
             beside = window if fsdp else min(window, sum(compute) * 2 / 3 / lay.microbatches)
             exposed = max(seconds - beside, seconds / max(1, c.calls))
             window -= seconds - exposed
-        terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if c.overlaps else ''})", seconds,
+        terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if c.overlaps and hw.overlap else ''})", seconds,
                               exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B / bandwidth"))
     terms.append(TimeTerm("optimizer", opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
                           opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,

@@ -15,6 +15,7 @@ import torch
 
 from config import Config, UsageError
 from snapshots.meta import SnapshotMeta
+from snapshots.pretrained import BEFORE_THE_KEY
 
 
 def nothing_left_message(cfg: Config, run_dir: Path, step: int, max_steps: int, decay_steps: int) -> str:
@@ -57,8 +58,10 @@ def refuse_another_run(path: Path, meta: SnapshotMeta, cfg: Config, now: dict) -
         current = dataclasses.asdict(cfg.model)
         for k, v in current.items():
             key = f"model.{k}"
-            if k not in ("dropout", "init_from", "size") and key not in now and was(key) is not None and was(key) != v:
-                changes.append(f"{key}={show(was(key))} (now {show(v)})")
+            before = was(key) if was(key) is not None else BEFORE_THE_KEY.get(k)  # a snapshot from before the key
+            if k not in ("dropout", "init_from", "size", "zero_init_proj") and key not in now and before is not None \
+                    and before != v:
+                changes.append(f"{key}={show(before)} (now {show(v)})")
         if not changes:  # a snapshot without a readable config
             changes.append(f"model {old_cfg.get('model', {})}")
     old_optimizer = old_cfg.get("optimizer", {}).get("name", "adamw")  # snapshots before the key: AdamW

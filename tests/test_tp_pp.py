@@ -54,7 +54,8 @@ TWO = {
 }
 # the untied head with the speedruns' model options: a pipeline with an uneven split and recomputation,
 # and tp with vocabulary and sequence parallelism (q and k normalised per head on the rank holding it)
-OPTIONS = "model.tie_weights=false model.activation=relu2 model.qk_norm=true model.zero_init_proj=true"
+# (zero_init_proj is left out: zero output projections make the first step's q/k/v/fc gradients 0)
+OPTIONS = "model.tie_weights=false model.activation=relu2 model.qk_norm=true"
 TWO_UNTIED = {"pp2_untied_split31_ac": f"parallel.pp=2 parallel.pp_split=3,1 parallel.activation_checkpointing=true {OPTIONS}",
               "tp2_vocab_sp_untied": f"parallel.tp=2 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true {OPTIONS}"}
 FOUR = {
