@@ -140,6 +140,7 @@ BAD_INPUTS = {
     "gelu": (["model.gelu=relu"], "model.gelu='relu' is not one of erf, tanh"),
     "activation": (["model.activation=swish"], "model.activation='swish' is not one of gelu, relu2"),
     "qk_norm": (["model.qk_norm=maybe"], "model.qk_norm"),
+    "zero_init_proj": (["model.zero_init_proj=2"], "model.zero_init_proj"),
     "init_from missing": (["model.init_from={root}/nope.pt"], "model.init_from '"),
     "max_steps": (["trainer.max_steps=0"], "trainer.max_steps must be > 0"),
     "max_epochs": (["trainer.max_epochs=-1"], "trainer.max_epochs must be >= 0"),
