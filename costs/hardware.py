@@ -42,8 +42,8 @@ class Hardware:
     inter_node: Link
     compute_efficiency: float  # fraction of the peak the model's forward/backward reach
     block_overhead: float = 0.0  # seconds per block per micro-batch (forward + backward) of fixed cost
-    # seconds per block per micro-batch a tensor-parallel / FSDP2-sharded block pays beyond the plain
-    # block's share of the math: the engine's host work (DTensor dispatch, hooks, copy-in/out)
+    # seconds per block per micro-batch a tensor-parallel / FSDP2-sharded block pays beyond a plain
+    # block's fixed cost: the engine's host work (DTensor dispatch, hooks, copy-in/out)
     tp_overhead: float = 0.0
     fsdp_overhead: float = 0.0
     # collectives run beside compute on their own engine (a GPU: NCCL's kernels, copy engines); False

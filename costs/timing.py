@@ -162,13 +162,13 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, co
     window = sum(compute)  # compute that overlapped collectives share: each uses up what it hides
     for c in traffic:
         seconds, where = collective_seconds(c, lay, hw)
-        exposed = seconds
-        if c.overlaps and hw.overlap:  # DDP's window is the last micro-batch's backward; FSDP2's the whole step
+        exposed, hidden = seconds, c.overlaps and hw.overlap
+        if hidden:  # DDP's window is the last micro-batch's backward; FSDP2's the whole step
             fsdp = c.kind == "all-gather" or lay.strategy.value in ("fsdp", "zero-3")
             beside = window if fsdp else min(window, sum(compute) * 2 / 3 / lay.microbatches)
             exposed = max(seconds - beside, seconds / max(1, c.calls))
             window -= seconds - exposed
-        terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if c.overlaps and hw.overlap else ''})", seconds,
+        terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if hidden else ''})", seconds,
                               exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B / bandwidth"))
     terms.append(TimeTerm("optimizer", opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
                           opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
