@@ -1,7 +1,7 @@
 """The full 3-D mesh: dp=2 x tp=2 x pp=2 on 8 processes (CPU, gloo) against one process, and
 HSDP x tp (2 replicas x 2 shards x tp 2) in the same launch.
 
-Trains the tests' TINY model for 10 steps with FSDP2 over dp, Megatron TP over tp and a 1F1B
+Trains the tests' TINY model for 6 steps with FSDP2 over dp, Megatron TP over tp and a 1F1B
 pipeline over pp (tied embedding/head: first and last stage sum its gradient), in ONE 8-process
 launch (this script, relaunched under torchrun), and checks parity with a single process exactly
 as tests/test_tp_pp.py does (costs/parity.py): first-step gradients <= 1e-6 abs, loss <= 1e-4 and
@@ -28,7 +28,7 @@ import _repo  # noqa: F401  (the repository on sys.path)
 from costs.parity import assert_parity, load_case, parity_errors, run_steps, save_cases
 from launch.local import TINY, torchrun
 
-STEPS = 10
+STEPS = 6
 MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=1f1b"
 # HSDP composed with tensor parallelism on the same 8 processes: dp_replicate 2 x dp_shard 2 x tp 2
 HSDP_TP = "parallel.strategy=fsdp parallel.dp_replicate=2 parallel.tp=2"
@@ -44,7 +44,7 @@ def worker(out: Path, app: bool) -> None:
 
     save_cases([("mesh", MESH), ("hsdp_tp", HSDP_TP)], STEPS, out, evaluate=True)
     if app:
-        code = app.main(TINY + MESH.split() + ["trainer.max_steps=10", f"trainer.run_dir={out / 'app'}"],
+        code = app.main(TINY + MESH.split() + ["trainer.max_steps=6", f"trainer.run_dir={out / 'app'}"],
                          keep_process_group=True)
         if dist.get_rank() == 0:
             (out / "app_exit_codes.json").write_text(json.dumps([code]))

@@ -1,5 +1,5 @@
 """The full 3-D mesh in CI: dp=2 x tp=2 x pp=2 on 8 processes matches one process
-(first-step gradients, loss at each of 10 steps, val loss), and main.py trains, evaluates and
+(first-step gradients, loss at each of 6 steps, val loss), and main.py trains, evaluates and
 writes model.pt on that mesh. Runs benchmarks/mesh_2x2x2.py, which prints the figures."""
 from launch.local import python
 
