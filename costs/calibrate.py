@@ -80,7 +80,8 @@ def local_figures(precision: str, spawn: bool = True) -> dict:
             "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
             "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
             "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
-            "overlap": False}  # one process per core: the cores do the collectives' work (costs/hardware.py)
+            "overlap": False,  # one process per core: the cores do the collectives' work (costs/hardware.py)
+            "shared_node": True}  # a local launch of more ranks than cores shares them
 
 
 def _read(path: Path) -> dict:

@@ -49,6 +49,9 @@ class Hardware:
     # collectives run beside compute on their own engine (a GPU: NCCL's kernels, copy engines); False
     # on a CPU, whose cores do a collective's copies and sums themselves: nothing is hidden
     overlap: bool = True
+    # every rank of the job runs on this one machine (`local`): ranks beyond devices_per_node share
+    # its cores, each computing at devices_per_node / world of one (costs/timing.py)
+    shared_node: bool = False
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -108,11 +111,11 @@ def hardware_of(raw, where: str) -> Hardware:
                     {k: _number(peaks, k, where) for k in DTYPES if k in peaks},
                     _number(raw, "memory_bandwidth", where), links["intra_node"], links["inter_node"],
                     efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead")),
-                    _flag(raw, "overlap", where))
+                    _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False))
 
 
-def _flag(raw: dict, key: str, where: str) -> bool:
-    value = raw.get(key, True)
+def _flag(raw: dict, key: str, where: str, absent: bool) -> bool:
+    value = raw.get(key, absent)
     if not isinstance(value, bool):
         raise UsageError(f"--hardware file '{where}': {key} must be true or false (got {value!r})")
     return value

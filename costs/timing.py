@@ -31,6 +31,11 @@ What overlaps with compute, and why:
 On a CPU (`local`: Hardware.overlap false) nothing is hidden: the same cores that compute do a
 collective's copies and sums (gloo's threads, the kernel's loopback TCP), so an overlapped
 collective takes its time from the compute beside it.
+A shared node (`local`: Hardware.shared_node) with more ranks than cores runs each rank on
+cores / ranks of a core, and every term stretches by ranks / cores: the compute, and the
+collectives too, since each ring step waits until both of its ranks hold a core (a first-order
+figure: at 4 ranks on 2 cores the measured steps still vary by up to 60% between runs,
+docs/planner.md).
 The step is the slowest pipeline rank's compute + the bubble + the largest exposed
 communication and optimizer time of any rank. tokens/s = batch_size x block_size / step; MFU
 counts model FLOPs only (6N + 12 L h s per token, no recomputation) over every rank's peak.
@@ -76,13 +81,14 @@ def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link,
 
     A group across nodes with k of its ranks in each node runs k rings side by side, each
     leaving the node through another rank's network card (NCCL's channels): the ring moves k
-    times one card's bandwidth, up to the link inside the node that carries every ring."""
+    times one card's bandwidth, up to the link inside the node that carries every ring. On a
+    shared node every group is inside it."""
     size, stride = {"dp": (lay.dp, lay.tp), "dp_shard": (lay.dp_shard, lay.tp),
                     "dp_replicate": (lay.dp_replicate, lay.dp_shard * lay.tp), "tp": (lay.tp, 1),
                     "pp": (2, lay.dp * lay.tp), "tied": (2, lay.dp * lay.tp * max(1, lay.pp - 1))}[group]
     world, per_node = lay.dp * lay.tp * lay.pp, hw.devices_per_node
     span = size * stride
-    if world <= per_node or (span <= per_node and per_node % span == 0):
+    if hw.shared_node or world <= per_node or (span <= per_node and per_node % span == 0):
         return size, hw.intra_node, "intra-node"
     in_node = max(1, min(size, per_node // stride)) if group not in ("pp", "tied") else 1  # a send: one card
     if in_node == 1:
@@ -143,11 +149,25 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
         terms.append(TimeTerm("bubble", work * b / (1 - b), work * b / (1 - b),
                               f"compute x b/(1-b), b = {b:.3f} ({lay.pp_schedule})"))
     terms += rest
+    share = oversubscription(lay, hw)
+    if share > 1:
+        terms = [_stretched(t, share) for t in terms]
     step = sum(t.exposed for t in terms)
     tokens = batch_size * g.block_size / step
     world = lay.dp * lay.tp * lay.pp
     mfu = model_flops_per_token(g) * tokens / (hw.peak(dtype) * world)
     return StepTime(hw.name, step, tokens, mfu, terms)
+
+
+def oversubscription(lay: PlannedLayout, hw: Hardware) -> float:
+    """Ranks per core on a shared node (1 when every rank has its own device)."""
+    world = lay.dp * lay.tp * lay.pp
+    return max(1.0, world / hw.devices_per_node) if hw.shared_node else 1.0
+
+
+def _stretched(term: TimeTerm, share: float) -> TimeTerm:
+    return TimeTerm(term.name, term.seconds * share, term.exposed * share,
+                    f"{term.formula}, x {share:g} ranks per core")
 
 
 def _flops_note(g: GPTConfig, lay: PlannedLayout, held: RankTensors) -> str:

@@ -89,6 +89,8 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\ntp_overhead: -0.001\n", "needs tp_overhead: a positive number"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\noverlap: sometimes\n", "overlap must be true or false"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nshared_node: 2\n", "shared_node must be true or false"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -108,6 +110,33 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     # the engines' host work per block, measured on the fake group (DTensor's dispatch, FSDP2's hooks)
     assert first.tp_overhead > 0 and first.fsdp_overhead > 0
     assert not first.overlap  # the CPU's cores do the collectives' work
+    assert first.shared_node  # a local launch of more ranks than cores shares them
+
+
+def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):
+    """4 ranks on a 2-core machine: each runs on half a core, so every term takes twice as long
+    (a collective's ring step waits until both of its ranks hold a core). 2 ranks on 2 cores are
+    unchanged, and a GPU node never shares."""
+    gpu = load_hardware("h100-sxm")  # a CPU's two link classes are one: local measures one
+    cores2 = dataclasses.replace(gpu, devices_per_node=2, overlap=False, inter_node=gpu.intra_node)
+    shared = dataclasses.replace(cores2, shared_node=True)
+
+    def terms(hardware, world, *overrides):
+        cfg = load_config(None, XL + ["model.n_layer=8", "model.n_head=16", f"trainer.run_dir={tmp_path}", *overrides])
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 50257), planner.check_layout(cfg, world), True, None,
+                                 hardware)
+        return {t.name: t.exposed for t in lp.time.terms}
+    for overrides in [("parallel.strategy=ddp",), ("parallel.strategy=none", "parallel.pp=4"),
+                      ("parallel.strategy=fsdp", "parallel.tp=2", "parallel.activation_checkpointing=true")]:
+        alone, stretched = terms(cores2, 4, *overrides), terms(shared, 4, *overrides)
+        assert {"compute", "optimizer"} <= stretched.keys(), overrides
+        assert not any("inter-node" in name for name in stretched), stretched  # one machine
+        alone = {name.replace("inter-node", "intra-node").replace(", 2 cards", ""): s for name, s in alone.items()}
+        assert alone.keys() == stretched.keys(), (alone, stretched)
+        for name, seconds in alone.items():
+            assert stretched[name] == pytest.approx(2 * seconds), (overrides, name)
+    assert terms(shared, 2, "parallel.strategy=ddp") == terms(cores2, 2, "parallel.strategy=ddp")
+    assert not any(load_hardware(name).shared_node for name in ("a100-80gb", "h100-sxm"))  # one GPU per rank
 
 
 def test_without_a_communication_engine_nothing_is_hidden(tmp_path):
