@@ -80,6 +80,7 @@ def resolved_config(lp: LayoutPlan, variant: Config, world: int) -> Config:
     engine = Engine.DDP if lay.strategy is Engine.NONE else lay.strategy
     choice = DataParallelChoice(engine, lay.reshard_after_forward or engine is not Engine.FSDP, lay.dp_replicate)
     cfg = layout_config(variant, choice, lay.tp, lay.pp)
+    cfg.parallel.tp_vocab_parallel = lay.tp_vocab_parallel  # the planner's choice of head under tp
     if lay.pp > 1:
         cfg.parallel.microbatches = lay.microbatches
     cfg.parallel.auto_world_size = world

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 
@@ -17,6 +18,7 @@ import pytest
 import main as app
 from config import load_config
 from costs import planner
+from costs.auto import resolved_config
 from costs.hardware import Link, load_hardware
 from costs.timing import group_link
 from launch.local import TINY, python
@@ -228,3 +230,22 @@ def test_published_tables_stay_within_their_measured_bands():
     for table, (low, high) in bands.items():
         lo, hi = map(float, ranges[table].split("-"))
         assert low <= lo and hi <= high, f"{table}: predicted / published {lo}-{hi} outside {low}-{high}"
+
+
+def test_tensor_parallel_alternatives_take_the_faster_head_and_auto_launches_it(tmp_path):
+    """Under tp a replicated LM head is computed whole on every tp rank (GPT-2 XL's is 2.4 blocks'
+    FLOPs); the plan tries the vocabulary-parallel head too and shows the faster, and auto's
+    resolved config launches the head the row was predicted with."""
+    cfg = load_config(None, XL + ["model.n_head=16", f"trainer.run_dir={tmp_path}"])
+    result = planner.plan(cfg, 64, None, load_hardware("h100-sxm"))
+    tp_rows = [lp for lp in result.layouts if lp.layout.tp > 1]
+    assert tp_rows and all(lp.layout.tp_vocab_parallel and "+vocab" in lp.name for lp in tp_rows)
+    lp = tp_rows[0]
+    variant = copy.deepcopy(cfg)
+    launched = resolved_config(lp, variant, 64)
+    assert launched.parallel.tp_vocab_parallel and launched.parallel.tp == lp.layout.tp
+    replicated = copy.deepcopy(launched)
+    replicated.parallel.tp_vocab_parallel = False
+    slower = planner.plan_layout(replicated, planner.gpt_config(replicated, 50257), planner.check_layout(replicated, 64),
+                                 False, None, load_hardware("h100-sxm"))
+    assert lp.time.step_s < slower.time.step_s
