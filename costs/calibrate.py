@@ -10,7 +10,8 @@
 - block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
   remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
 - engine overheads: what a tensor-parallel (tp 2) and an FSDP2-sharded (2 ranks) tiny GPT cost per
-  block per micro-batch beyond the plain tiny GPT's step (whose math takes microseconds and whose
+  block per micro-batch beyond the plain tiny GPT's step, and what sequence parallelism adds to
+  the tensor-parallel one (whose math takes microseconds and whose
   fixed cost per block is the block overhead above), timed in one process on
   torch's fake process group (its collectives return at once, so what remains is the engine's
   host work: DTensor dispatch and redistribution, FSDP2's hooks and copy-in/out);
@@ -48,7 +49,7 @@ from parallel.tp import apply_tensor_parallel
 from storage.files import atomic_write_text
 
 UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
-                "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0}
+                "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0}
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
@@ -80,6 +81,7 @@ def local_figures(precision: str, spawn: bool = True) -> dict:
             "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
             "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
             "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
+            "sp_overhead": cached["sp_overhead"],
             "overlap": False,  # one process per core: the cores do the collectives' work (costs/hardware.py)
             "shared_node": True}  # a local launch of more ranks than cores shares them
 
@@ -162,8 +164,9 @@ def measure_engines(timeout_s: float = 120) -> dict:
 
 def _engines_child(threads: int) -> None:
     """Rank 0 of 2 on the fake process group: a tiny GPT (microseconds of math, like the block
-    overhead's) plain, tensor-parallel (tp 2) and FSDP2-sharded (2 ranks), one step of each in
-    turn for 20 rounds; per block, the median extra over the plain model (never below 0)."""
+    overhead's) plain, tensor-parallel (tp 2), tensor- and sequence-parallel, and FSDP2-sharded (2
+    ranks), one step of each in turn for 20 rounds; per block, the median extra over the plain
+    model (sequence parallelism's over the tp model; never below 0)."""
     torch.set_num_threads(threads)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     mesh = init_device_mesh("cpu", (2,))
@@ -175,7 +178,8 @@ def _engines_child(threads: int) -> None:
     sharded = gpt()
     for block in sharded.blocks.values():
         fully_shard(block, mesh=mesh)
-    models = {"plain": gpt(), "tp": apply_tensor_parallel(gpt(), mesh), "fsdp": fully_shard(sharded, mesh=mesh)}
+    models = {"plain": gpt(), "tp": apply_tensor_parallel(gpt(), mesh), "fsdp": fully_shard(sharded, mesh=mesh),
+              "sp": apply_tensor_parallel(gpt(), mesh, sequence_parallel=True)}
     x = torch.randint(0, 64, (sequences, positions))
     times = {name: [] for name in models}
     for round_ in range(23):
@@ -184,8 +188,9 @@ def _engines_child(threads: int) -> None:
             if round_ >= 3:  # warm-up: DTensor's sharding caches, FSDP2's lazy init
                 times[name].append(seconds)
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-    print(json.dumps({f"{name}_overhead": max(0.0, (median[name] - median["plain"]) / layers)
-                      for name in ("tp", "fsdp")}), flush=True)
+    extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "fsdp", "sp")}
+    extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
+    print(json.dumps({f"{name}_overhead": value for name, value in extra.items()}), flush=True)
     dist.destroy_process_group()
 
 

@@ -46,6 +46,7 @@ class Hardware:
     # block's fixed cost: the engine's host work (DTensor dispatch, hooks, copy-in/out)
     tp_overhead: float = 0.0
     fsdp_overhead: float = 0.0
+    sp_overhead: float = 0.0  # what sequence parallelism's redistributions add to a tp block's
     # collectives run beside compute on their own engine (a GPU: NCCL's kernels, copy engines); False
     # on a CPU, whose cores do a collective's copies and sums themselves: nothing is hidden
     overlap: bool = True
@@ -110,7 +111,7 @@ def hardware_of(raw, where: str) -> Hardware:
                     parse_bytes(str(raw.get("memory")), f"--hardware file '{where}' memory"),
                     {k: _number(peaks, k, where) for k in DTYPES if k in peaks},
                     _number(raw, "memory_bandwidth", where), links["intra_node"], links["inter_node"],
-                    efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead")),
+                    efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead", "sp_overhead")),
                     _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False))
 
 

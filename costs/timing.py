@@ -3,7 +3,8 @@
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
     compute   = T x 3 F / (peak x efficiency) + overhead x blocks x M      forward + backward (2x forward)
-    overhead  = block_overhead (+ tp_overhead with tp > 1) (+ fsdp_overhead under FSDP2)     fixed host work
+    overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
+                (+ fsdp_overhead under FSDP2)     fixed host work
     recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
     bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (costs/schedule.py)
@@ -124,9 +125,11 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
 
 def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
     """Fixed seconds per block per micro-batch: every block's, plus the engines' host work where a
-    block is tensor-parallel (DTensor) or FSDP2-sharded (fsdp, zero-3, HSDP)."""
+    block is tensor-parallel (DTensor; more with sequence parallelism's redistributions) or
+    FSDP2-sharded (fsdp, zero-3, HSDP)."""
     fsdp = lay.strategy.value in ("fsdp", "zero-3") and lay.dp > 1
-    return hw.block_overhead + (hw.tp_overhead if lay.tp > 1 else 0.0) + (hw.fsdp_overhead if fsdp else 0.0)
+    tp = (hw.tp_overhead + (hw.sp_overhead if lay.sequence_parallel else 0.0)) if lay.tp > 1 else 0.0
+    return hw.block_overhead + tp + (hw.fsdp_overhead if fsdp else 0.0)
 
 
 def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic: list[list[Collective]],

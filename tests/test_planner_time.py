@@ -93,6 +93,8 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\noverlap: sometimes\n", "overlap must be true or false"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nshared_node: 2\n", "shared_node must be true or false"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nsp_overhead: fast\n", "needs sp_overhead: a positive number"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -110,7 +112,7 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert first.intra_node == second.intra_node and first.intra_node.bandwidth > 0
     assert 0 < first.intra_node.latency < 0.1 and first.peak("fp32") > 0
     # the engines' host work per block, measured on the fake group (DTensor's dispatch, FSDP2's hooks)
-    assert first.tp_overhead > 0 and first.fsdp_overhead > 0
+    assert first.tp_overhead > 0 and first.fsdp_overhead > 0 and first.sp_overhead > 0
     assert not first.overlap  # the CPU's cores do the collectives' work
     assert first.shared_node  # a local launch of more ranks than cores shares them
 
@@ -152,9 +154,9 @@ def test_without_a_communication_engine_nothing_is_hidden(tmp_path):
 
 
 def test_engine_overheads_charge_only_their_layouts(tmp_path):
-    # tp_overhead is paid by every block of a tensor-parallel layout, fsdp_overhead by FSDP2's;
-    # ddp and a pipeline pay neither
-    hw = dataclasses.replace(load_hardware("h100-sxm"), tp_overhead=1e-3, fsdp_overhead=1e-4)
+    # tp_overhead is paid by every block of a tensor-parallel layout (sp_overhead too with sequence
+    # parallelism), fsdp_overhead by FSDP2's; ddp and a pipeline pay neither
+    hw = dataclasses.replace(load_hardware("h100-sxm"), tp_overhead=1e-3, fsdp_overhead=1e-4, sp_overhead=1e-5)
     base = load_hardware("h100-sxm")
 
     def compute(hardware, *overrides):
@@ -165,6 +167,7 @@ def test_engine_overheads_charge_only_their_layouts(tmp_path):
     for overrides, per_block in [(("parallel.strategy=ddp",), 0.0), (("parallel.strategy=fsdp",), 1e-4),
                                  (("parallel.strategy=none", "parallel.tp=16"), 1e-3),
                                  (("parallel.strategy=fsdp", "parallel.tp=2"), 1.1e-3),
+                                 (("parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"), 1.11e-3),
                                  (("parallel.strategy=ddp", "parallel.pp=2"), 0.0)]:
         (charged, lay), (plain, _) = compute(hw, *overrides), compute(base, *overrides)
         blocks = 48 // lay.pp
