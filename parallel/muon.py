@@ -8,9 +8,15 @@ RMS (`adjust_lr_fn="match_rms_adamw"`, 0.2 sqrt(max(rows, cols)): Liu et al. 202
 Scalable for LLM Training", https://arxiv.org/abs/2502.16982), so `optimizer.lr`,
 `optimizer.weight_decay` and the schedule mean the same for both parts.
 
-Newton-Schulz works on whole matrices: a rank must hold every matrix whole (ddp, dp, none,
-pipeline stages). ZeRO-1/2 slices, FSDP2 rows and tensor-parallel shards are refused at
-configuration (parallel/options.py): orthogonalising a shard is not orthogonalising the matrix.
+Newton-Schulz works on whole matrices: orthogonalising a shard is not orthogonalising the matrix.
+Where a rank holds a matrix whole (ddp, dp, none, pipeline stages) it steps it as it is. A matrix
+held as a DTensor (FSDP2's rows, tensor parallelism's shards, both on a 2-D mesh) is gathered
+whole (`full_tensor`: an all-gather of its momentum-updated gradient over the matrix's mesh),
+orthogonalised on every rank alike, and each rank keeps its own shard of the update: the same
+step as one process, for one all-gather of the matrix per step and every rank computing every
+matrix's iterations (the simple way: spreading the matrices over the ranks and gathering the
+updates would divide that work). ZeRO-1/2's flat slices of plain tensors are refused at
+configuration (parallel/options.py).
 
 `MuonWithAdamW` is one `torch.optim.Optimizer` (one `param_groups`, one `state`) so the LR
 scheduler, gradient clipping, DCP's optimizer state dict and snapshots treat it like AdamW: its
@@ -23,6 +29,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 
 MUON_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc", "proj")  # model.py's Linear layers in a block
 
@@ -53,6 +60,18 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     return (x if wide else x.T).to(g.dtype)
 
 
+def orthogonalize_whole(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                        eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """`orthogonalize` of the whole matrix; a DTensor's is gathered first (collective over its
+    mesh), and the result is laid out as `update` was (Replicate -> Shard is a local slice)."""
+    if not isinstance(update, DTensor):
+        return orthogonalize(update, coefficients, steps, eps, dtype)
+    whole = orthogonalize(update.full_tensor(), coefficients, steps, eps, dtype)
+    replicated = DTensor.from_local(whole, update.device_mesh, [Replicate()] * update.device_mesh.ndim,
+                                    run_check=False)
+    return replicated.redistribute(update.device_mesh, update.placements)
+
+
 def lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """torch's Muon learning-rate adjustment of a (rows, cols) matrix: "match_rms_adamw" 0.2
     sqrt(max(rows, cols)) (AdamW's update RMS), else ("original") sqrt(max(1, rows / cols))."""
@@ -76,7 +95,7 @@ class Muon(torch.optim.Muon):
                 buf.lerp_(g, 1 - momentum)
                 update = g.lerp(buf, momentum) if group["nesterov"] else buf
                 dtype = torch.float32 if p.device.type == "cpu" else torch.bfloat16
-                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+                update = orthogonalize_whole(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * lr_ratio(group["adjust_lr_fn"], p.shape))
 

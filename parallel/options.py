@@ -107,16 +107,18 @@ def _auto_problems(p: ParallelConfig) -> Iterator[str]:
 
 
 def _optimizer_problems(name: str, p: ParallelConfig) -> Iterator[str]:
-    """Muon orthogonalises whole matrices (parallel/muon.py): a shard of one is not the matrix."""
+    """Muon orthogonalises whole matrices (parallel/muon.py): DTensor shards (FSDP2, tp) are
+    gathered for it; ZeRO-1/2's flat slices of plain tensors are not, and auto's planner does
+    not model Muon's state."""
     if name != "muon":
         return
-    if p.strategy in ("zero", "fsdp", "auto"):
-        what = "may choose sharded layouts" if p.strategy == "auto" else "shards the weight matrices across dp ranks"
-        yield (f"optimizer.name=muon needs every weight matrix whole on a rank and parallel.strategy={p.strategy} "
-               f"{what}; use parallel.strategy=ddp (or dp, none; pp is fine) or optimizer.name=adamw")
-    if p.tp > 1:
-        yield (f"optimizer.name=muon needs every weight matrix whole on a rank and parallel.tp={p.tp} splits them; "
-               f"set parallel.tp=1 (pp and ddp are fine) or optimizer.name=adamw")
+    if p.strategy == "zero" and p.zero_stage in (1, 2):
+        yield (f"optimizer.name=muon orthogonalises whole matrices and ZeRO-{p.zero_stage} keeps flat slices of "
+               f"them; use parallel.zero_stage=3 or parallel.strategy=fsdp (gathered per matrix), ddp, or "
+               f"optimizer.name=adamw")
+    if p.strategy == "auto":
+        yield ("optimizer.name=muon: parallel.strategy=auto plans AdamW's state only; name a strategy "
+               "(ddp, fsdp, tp and pp all run Muon) or use optimizer.name=adamw")
 
 
 # Options that only mean something for some strategies: setting them elsewhere is a mistake the

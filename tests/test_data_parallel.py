@@ -57,6 +57,7 @@ TWO_PROC = {
     "zero2_fp16": (ZERO + "2 trainer.precision=fp16", "fp16"),
     "fsdp_fp16": ("parallel.strategy=fsdp trainer.precision=fp16", "fp16"),
     "ddp_muon": ("parallel.strategy=ddp optimizer.name=muon", "muon"),
+    "fsdp_muon": ("parallel.strategy=fsdp optimizer.name=muon", "muon"),  # each matrix gathered for Muon
 }
 FOUR_PROC = {
     "zero1": (ZERO + "1", "fp32"),
@@ -68,9 +69,12 @@ FOUR_PROC = {
     "zero3_odd": (f"{ZERO}3 {ODD}", "odd"),
     "fsdp_odd": (f"parallel.strategy=fsdp {ODD}", "odd"),
     "hsdp": ("parallel.strategy=fsdp parallel.dp_replicate=2", "fp32"),  # 2 replicas x 2 shards
+    # Muon's gather on a 2-D mesh, and of padded FSDP2 rows (no size divides by 4)
+    "hsdp_muon": ("parallel.strategy=fsdp parallel.dp_replicate=2 optimizer.name=muon", "muon"),
+    "zero3_muon_odd": (f"{ZERO}3 {ODD} optimizer.name=muon", "odd_muon"),
 }
 REFERENCES = {"fp32": "", "bf16": "trainer.precision=bf16", "fp16": "trainer.precision=fp16", "odd": ODD,
-              "muon": "optimizer.name=muon"}
+              "muon": "optimizer.name=muon", "odd_muon": f"{ODD} optimizer.name=muon"}
 # FSDP2 compute in bf16 (sharded fp32 master weights): not bit-comparable with fp32 training.
 MIXED = ("fsdp_mixed_bf16", "parallel.strategy=fsdp parallel.mixed_precision=bf16")
 MIXED_LOSS_RTOL = 2e-2

@@ -51,6 +51,7 @@ TWO = {
     "pp2_1f1b_fp16": "parallel.pp=2 parallel.pp_schedule=1f1b trainer.precision=fp16",
     "fsdp_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
     "pp2_1f1b_muon": "parallel.pp=2 parallel.pp_schedule=1f1b optimizer.name=muon",  # each stage's whole matrices
+    "tp2_muon": "parallel.tp=2 optimizer.name=muon",  # each matrix gathered from its tp shards for Muon
 }
 # the untied head with the speedruns' model options: a pipeline with an uneven split and recomputation,
 # and tp with vocabulary and sequence parallelism (q and k normalised per head on the rank holding it)
@@ -67,6 +68,7 @@ FOUR = {
                              "parallel.sequence_parallel=true"),
     "tp2_pp2_fp16": "parallel.tp=2 parallel.pp=2 trainer.precision=fp16",
     "fsdp_dp2_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
+    "fsdp_dp2_tp2_muon": "parallel.strategy=fsdp parallel.tp=2 optimizer.name=muon",  # gathered over dp and tp
 }
 APP = TINY + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.save_every=10"]
 APP_MESH = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
