@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 import main as app
-from launch.local import TINY, python, torchrun
+from launch.local import TINY, torchrun
 
 STEPS = 2  # per segment
 COMMON = TINY + ["trainer.log_every=1", "trainer.eval_every=1000", "trainer.sample_tokens=0",
@@ -40,18 +40,30 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_chain_of_layouts_continues_the_same_curve(tmp_path):
+def segment(nproc: int, args: list[str], capsys) -> tuple[int, str, str]:
+    """One launch of the chain: torchrun for several ranks; one process runs in this one (as the
+    reference does: a subprocess would only add its imports)."""
+    if nproc > 1:
+        r = torchrun(nproc, ["main.py", *args])
+        return r.returncode, r.stdout, r.stderr
+    capsys.readouterr()
+    code = app.main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_chain_of_layouts_continues_the_same_curve(tmp_path, capsys):
     total = STEPS * len(CHAIN)
     ref_dir = tmp_path / "reference"
     assert app.main(COMMON + [f"trainer.run_dir={ref_dir}", "parallel.strategy=none",
                               f"trainer.max_steps={total}"]) == 0
     run = tmp_path / "chain"
     for i, (nproc, layout) in enumerate(CHAIN):
-        args = ["main.py", *COMMON, *layout, f"trainer.run_dir={run}", f"trainer.max_steps={STEPS * (i + 1)}"]
-        r = torchrun(nproc, args) if nproc > 1 else python(args)
-        assert r.returncode == 0, f"segment {i} ({nproc} x {layout}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        args = [*COMMON, *layout, f"trainer.run_dir={run}", f"trainer.max_steps={STEPS * (i + 1)}"]
+        code, out, err = segment(nproc, args, capsys)
+        assert code == 0, f"segment {i} ({nproc} x {layout}):\n{out[-2000:]}\n{err[-3000:]}"
         if i:
-            assert f"at step {STEPS * i}" in r.stdout, f"segment {i} did not resume:\n{r.stdout[-2000:]}"
+            assert f"at step {STEPS * i}" in out, f"segment {i} did not resume:\n{out[-2000:]}"
     ref, got = losses(ref_dir), losses(run)
     assert sorted(got) == sorted(ref) == list(range(1, total + 1))
     for step, want in ref.items():
