@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import export as export_cmd
+import sample as sample_cmd
 from harness import app_in_process, metric_steps, model_tensors
 from launch.local import REPO, TINY, child_env, multiprocess_lock, python, torchrun, torchrun_argv, worker_pids
 
@@ -84,41 +86,49 @@ def test_resume_rules(tmp_path, capsys):
     assert before == after
 
 
-def test_export_and_sample_from_snapshot(tmp_path):
+def test_export_and_sample_from_snapshot(tmp_path, capsys):
     """An export never replaces a newer model.pt: `--step N` writes model_step_N.pt beside it and
     says so; sample.py --model and model.init_from take that file; without --step the newest
-    snapshot becomes model.pt, and a model.pt from a later step than any snapshot is kept."""
+    snapshot becomes model.pt, and a model.pt from a later step than any snapshot is kept. The
+    commands run in this process (their main(), what `python export.py` runs) but the last: a
+    bad command line as the shell sees it."""
+
+    def command(main, *argv: str):
+        capsys.readouterr()
+        code = main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out, out.err
     run = tmp_path / "run"
     assert train(run, "trainer.max_steps=5", "trainer.save_every=5") == 0
     at_5 = model_tensors(run)
     assert train(run, "trainer.max_steps=10", "trainer.save_every=5") == 0
     final = (run / "model.pt").read_bytes()
-    r = python(["export.py", "--run-dir", str(run), "--step", "5"])
-    assert r.returncode == 0, r.stderr
+    code, out, err = command(export_cmd.main, "--run-dir", str(run), "--step", "5")
+    assert code == 0, err
     older = run / "model_step_0000005.pt"
-    assert r.stdout == f"wrote {older} from step 5 ({run / 'model.pt'}, step 10, is left as it is)\n", r.stdout
+    assert out == f"wrote {older} from step 5 ({run / 'model.pt'}, step 10, is left as it is)\n", out
     assert (run / "model.pt").read_bytes() == final, "an export of step 5 replaced the step-10 model.pt"
     exported = torch.load(older, weights_only=True)
     assert exported["step"] == 5 and exported["model"].keys() == at_5.keys()
     for k, v in exported["model"].items():
         assert torch.equal(v, at_5[k]), k
-    r = python(["sample.py", "--model", str(older), "--prompt", "ROMEO:", "--tokens", "20"])
-    assert r.returncode == 0 and r.stdout.startswith("ROMEO:"), r.stderr
+    code, out, err = command(sample_cmd.main, "--model", str(older), "--prompt", "ROMEO:", "--tokens", "20")
+    assert code == 0 and out.startswith("ROMEO:"), err
     assert train(tmp_path / "tuned", f"model.init_from={older}", "trainer.max_steps=1") == 0
     # no --step: the newest snapshot (step 10) is model.pt's own step: model.pt is rewritten
     (run / "model.pt").unlink()
-    r = python(["export.py", "--run-dir", str(run)])
-    assert r.returncode == 0 and r.stdout == f"wrote {run / 'model.pt'} from step 10\n", r.stdout + r.stderr
+    code, out, err = command(export_cmd.main, "--run-dir", str(run))
+    assert code == 0 and out == f"wrote {run / 'model.pt'} from step 10\n", out + err
     assert (run / "model.pt").read_bytes() != b"" and model_tensors(run).keys() == at_5.keys()
     # a model.pt newer than every snapshot (the snapshots were pruned) is kept, not overwritten
     shutil.rmtree(run / "snapshots" / "step_0000010")
     before = (run / "model.pt").read_bytes()
-    r = python(["export.py", "--run-dir", str(run)])
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == f"wrote {older} from step 5 ({run / 'model.pt'}, step 10, is left as it is)\n", r.stdout
+    code, out, err = command(export_cmd.main, "--run-dir", str(run))
+    assert code == 0, err
+    assert out == f"wrote {older} from step 5 ({run / 'model.pt'}, step 10, is left as it is)\n", out
     assert (run / "model.pt").read_bytes() == before
-    r = python(["sample.py", "--run-dir", str(run), "--snapshot", "--prompt", "ROMEO:", "--tokens", "20"])
-    assert r.returncode == 0 and r.stdout.startswith("ROMEO:"), r.stderr
+    code, out, err = command(sample_cmd.main, "--run-dir", str(run), "--snapshot", "--prompt", "ROMEO:", "--tokens", "20")
+    assert code == 0 and out.startswith("ROMEO:"), err
     # sample.py needs one of --run-dir and --model
     r = python(["sample.py", "--prompt", "x"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--run-dir" in r.stderr and "--model" in r.stderr, r.stderr
