@@ -44,7 +44,7 @@ def worker(out: Path, app: bool) -> None:
 
     save_cases([("mesh", MESH), ("hsdp_tp", HSDP_TP)], STEPS, out, evaluate=True)
     if app:
-        code = app.main(TINY + MESH.split() + ["trainer.max_steps=6", f"trainer.run_dir={out / 'app'}"],
+        code = app.main(TINY + MESH.split() + [f"trainer.max_steps={STEPS}", f"trainer.run_dir={out / 'app'}"],
                          keep_process_group=True)
         if dist.get_rank() == 0:
             (out / "app_exit_codes.json").write_text(json.dumps([code]))

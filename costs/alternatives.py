@@ -192,13 +192,14 @@ def _alternatives(cfg: Config, g: GPTConfig, world: int, device_memory: int | No
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
             for choice in (*DP_CHOICES, *hsdp_choices(dp)):
-                best, why, tried = None, "", []
+                best, why, tried, accepted = None, "", [], False
                 for alt in head_choices(layout_config(cfg, choice, tp, pp)):
                     try:
                         lay = check_layout(alt, world)
                     except UsageError as e:
                         why = why or str(e)
                         continue
+                    accepted = True
                     if lay in seen:  # e.g. every strategy at dp = 1, or fsdp as configured
                         continue
                     tried.append(lay)
@@ -208,7 +209,7 @@ def _alternatives(cfg: Config, g: GPTConfig, world: int, device_memory: int | No
                 seen += tried  # the head not kept is not offered again by another strategy's name
                 if best is not None:
                     others.append(best)
-                elif why:
+                elif why and not accepted:  # refused only if no head of this choice is a layout
                     refused[f"{choice.label} tp{tp} pp{pp}"] = why
     return others, refused
 

@@ -2,7 +2,7 @@
 
 Rank 0 plans the launched world size for every pipeline schedule, micro-batch count and
 activation checkpointing on and off (each plan covers every strategy x tp x pp the launch checks
-accept), keeps the layouts that fit `parallel.device_memory` (default: the GPU's memory less the
+accept, under tp with the faster LM head: costs/alternatives.py head_choices), keeps the layouts that fit `parallel.device_memory` (default: the GPU's memory less the
 runtime reserve; on CPU no limit unless set) and takes the fastest predicted one; every rank gets
 the resolved `parallel` section by a broadcast, so all ranks run the same layout whatever each
 would measure. The resolved section, with `auto_world_size` set to the world size, is what

@@ -10,9 +10,9 @@
 - block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
   remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
 - engine overheads: what a tensor-parallel (tp 2) and an FSDP2-sharded (2 ranks) tiny GPT cost per
-  block per micro-batch beyond the plain tiny GPT's step, and what sequence parallelism adds to
-  the tensor-parallel one (whose math takes microseconds and whose
-  fixed cost per block is the block overhead above), timed in one process on
+  block per micro-batch beyond the plain tiny GPT's step (whose math takes microseconds and whose
+  fixed cost per block is the block overhead above), and what sequence parallelism adds to the
+  tensor-parallel one, timed in one process on
   torch's fake process group (its collectives return at once, so what remains is the engine's
   host work: DTensor dispatch and redistribution, FSDP2's hooks and copy-in/out);
 - compute efficiency: forward + backward of a 256-wide block on 8 x 128 tokens (about 10 GFLOP),
@@ -153,7 +153,7 @@ def measure_link(timeout_s: float = 120) -> dict:
 
 
 def measure_engines(timeout_s: float = 120) -> dict:
-    """tp_overhead and fsdp_overhead, measured in a child process (the fake process group it
+    """tp_overhead, fsdp_overhead and sp_overhead, measured in a child process (the fake process group it
     initialises stays out of this one), with this process's thread count."""
     p = subprocess.run([sys.executable, "-m", "costs.calibrate", "engines", str(torch.get_num_threads())],
                        env=child_env(), capture_output=True, text=True, timeout=timeout_s)

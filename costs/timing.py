@@ -158,7 +158,8 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     step = sum(t.exposed for t in terms)
     tokens = batch_size * g.block_size / step
     world = lay.dp * lay.tp * lay.pp
-    mfu = model_flops_per_token(g) * tokens / (hw.peak(dtype) * world)
+    devices = min(world, hw.devices_per_node) if hw.shared_node else world  # ranks sharing cores share their peak
+    mfu = model_flops_per_token(g) * tokens / (hw.peak(dtype) * devices)
     return StepTime(hw.name, step, tokens, mfu, terms)
 
 

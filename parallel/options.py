@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # type names only: config.py imports this module
 
 # the values of parallel.strategy; auto: the planner picks the fastest layout that fits at launch
 STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp", "auto")
-AUTO_CHOOSES = ("tp", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank", "activation_checkpointing")
+AUTO_CHOOSES = ("tp", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank", "activation_checkpointing",
+                "tp_vocab_parallel")
 # Memory sizes as people write them: a unit without "i" is decimal (SI: GB = G = 10^9 bytes, as
 # Kubernetes reads "G" and disk makers print "GB"), one with "i" binary (GiB = Gi = 2^30); case
 # does not matter; a bare number is GB. 40G = 40GB = 40 GB = 40e9 bytes, 40GiB = 42.9e9 bytes.
@@ -199,11 +200,13 @@ def _option_problems(p: ParallelConfig) -> Iterator[str]:
             if getattr(p, key) != getattr(defaults, key) and p.zero_stage not in stages:
                 yield (f"parallel.{key} only applies to parallel.zero_stage="
                        f"{' or '.join(map(str, stages))}, not {p.zero_stage}; remove it")
+    # under auto, the keys it chooses are refused by _auto_problems (setting pp or tp is no fix there)
+    chosen = AUTO_CHOOSES if p.strategy == "auto" else ()
     if p.pp == 1:
         for key in PP_ONLY:
-            if getattr(p, key) != getattr(defaults, key):
+            if getattr(p, key) != getattr(defaults, key) and key not in chosen:
                 yield (f"parallel.{key} only applies with parallel.pp > 1; set parallel.pp")
     if p.tp == 1:
         for key in TP_ONLY:
-            if getattr(p, key):
+            if getattr(p, key) and key not in chosen:
                 yield (f"parallel.{key} only applies with parallel.tp > 1; set parallel.tp")

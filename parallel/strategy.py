@@ -142,7 +142,7 @@ class Strategy:
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), **({"fused": True} if plain else {}))
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        if self.cfg.optimizer.name == "muon":  # whole matrices only: parallel/options.py refuses sharded layouts
+        if self.cfg.optimizer.name == "muon":  # DTensor shards gathered per matrix; ZeRO-1/2 refused (options.py)
             return self.muon_with_adamw()
         return self.adamw(self.param_groups())
 

@@ -32,6 +32,9 @@ def test_auto_trains_under_torchrun_and_a_resume_keeps_the_choice(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.device_memory=40XB"], "parallel.device_memory='40XB' is not a memory size"),
     (["parallel.strategy=auto", "parallel.tp=2"], "parallel.tp is chosen by parallel.strategy=auto"),
+    # not "only applies with parallel.tp > 1": under auto, setting tp is no fix
+    (["parallel.strategy=auto", "parallel.tp_vocab_parallel=true"], "parallel.tp_vocab_parallel is chosen by"),
+    (["parallel.strategy=auto", "parallel.pp_schedule=gpipe"], "parallel.pp_schedule is chosen by"),
 ])
 def test_auto_bad_values_one_line_exit_2(tmp_path, capsys, overrides, message):
     assert app.main([*TINY, f"trainer.run_dir={tmp_path}", *overrides]) == 2

@@ -80,9 +80,11 @@ MIXED = ("fsdp_mixed_bf16", "parallel.strategy=fsdp parallel.mixed_precision=bf1
 MIXED_LOSS_RTOL = 2e-2
 
 MUON = "parallel.strategy=ddp optimizer.name=muon"
-SAVE = {"zero2": ZERO + "2", "fsdp": "parallel.strategy=fsdp", "ddp_muon": MUON}
+SAVE = {"zero2": ZERO + "2", "fsdp": "parallel.strategy=fsdp", "ddp_muon": MUON,
+        "fsdp_muon": "parallel.strategy=fsdp optimizer.name=muon"}
 LOAD_TWO = [("fsdp", "zero1_from_fsdp", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp"),
-            ("ddp_muon", "ddp_muon_reloaded", MUON)]  # Muon's momentum + AdamW's moments through DCP
+            ("ddp_muon", "ddp_muon_reloaded", MUON),  # Muon's momentum + AdamW's moments through DCP
+            ("fsdp_muon", "ddp_muon_from_fsdp", MUON)]  # sharded Muon momentum loaded whole
 LOAD_FOUR = [("zero2", "zero1_from_zero2", ZERO + "1"), ("zero2", "fsdp_from_zero2", "parallel.strategy=fsdp"),
              ("fsdp", "zero2_from_fsdp", ZERO + "2"),
              ("fsdp", "hsdp_from_fsdp", "parallel.strategy=fsdp parallel.dp_replicate=2")]

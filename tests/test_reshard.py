@@ -1,11 +1,11 @@
 """Resume on another world size and another strategy: one run folder is trained in
 segments, each launch resuming the previous launch's snapshot with a different layout:
 
-    ddp x2 -> ddp x1 -> hsdp 2x2 (x4) -> fsdp x2 (strategy switch) -> tp=2
+    ddp x2 -> ddp x1 -> fsdp x2 (strategy switch) -> hsdp 2x2 (x4) -> tp=2
     -> none x1 (tp=2 -> tp=1) -> zero-2 x2 -> pp=2 -> none x1
 
-(zero-3 is FSDP2 with fsdp's defaults: its segments would repeat the fsdp ones. The world grows
-1 -> 4 and shrinks 4 -> 2 and 2 -> 1; each launch of four processes costs ~20 s on 2 cores.)
+(zero-3 is FSDP2 with fsdp's defaults: its segments would repeat the fsdp ones. A sharded snapshot
+grows 2 -> 4 and shrinks 4 -> 2; each launch of four processes costs ~20 s on 2 cores.)
 
 The global batch and data order do not depend on the layout, so the loss curve of the whole
 chain must match one uninterrupted single-process run step by step, within reduction-order
@@ -24,8 +24,8 @@ COMMON = TINY + ["trainer.log_every=1", "trainer.eval_every=1000", "trainer.samp
 CHAIN = [
     (2, ["parallel.strategy=ddp"]),
     (1, ["parallel.strategy=ddp"]),
-    (4, ["parallel.strategy=fsdp", "parallel.dp_replicate=2"]),  # HSDP: 2 replicas x 2 shards
     (2, ["parallel.strategy=fsdp"]),
+    (4, ["parallel.strategy=fsdp", "parallel.dp_replicate=2"]),  # HSDP: 2 replicas x 2 shards
     (2, ["parallel.strategy=none", "parallel.tp=2"]),
     (1, ["parallel.strategy=none"]),
     (2, ["parallel.strategy=zero", "parallel.zero_stage=2"]),

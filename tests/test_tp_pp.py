@@ -9,13 +9,13 @@ DistributedGradScaler) compare with one fp16 process; under tp only the loss can
 assert_tp_fp16_tracks). Two launches cover every case:
   2 processes: tp=2 (replicated head), tp=2 vocab-parallel + sequence-parallel + activation
                checkpointing, pp=2 with each schedule (tied weights), the untied head with the
-               speedruns' model options (ReLU^2, QK-norm, zero-initialised projections) at pp=2
-               with an uneven split and activation checkpointing and at tp=2 vocab-parallel +
-               sequence-parallel; fp16 at tp=2, pp=2 and fsdp x pp=2 (dp=1:
-               plain parameters, fused AdamW);
+               speedruns' model options (ReLU^2, QK-norm) at pp=2 with an uneven split and
+               activation checkpointing and at tp=2 vocab-parallel + sequence-parallel; fp16 at
+               tp=2, pp=2 and fsdp x pp=2 (dp=1: plain parameters, fused AdamW); Muon at pp=2
+               (whole matrices) and tp=2 (gathered);
   4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), pp=4 (middle stages hold no tied copy),
                tp=2 x pp=2 (ZB-V, vocab-parallel, SP); fp16 at tp=2 x pp=2 and fsdp dp=2 x pp=2,
-               and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
+               Muon at dp=2 x tp=2 on a model whose rows FSDP2 splits unevenly, and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
                process (a pp x tp snapshot resharded to pp = tp = 1).
 Layout errors are checked in-process (no process group): one line, UsageError.
 """
@@ -59,6 +59,7 @@ TWO = {
 OPTIONS = "model.tie_weights=false model.activation=relu2 model.qk_norm=true"
 TWO_UNTIED = {"pp2_untied_split31_ac": f"parallel.pp=2 parallel.pp_split=3,1 parallel.activation_checkpointing=true {OPTIONS}",
               "tp2_vocab_sp_untied": f"parallel.tp=2 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true {OPTIONS}"}
+ODD = "model.n_embd=30 model.n_head=2"  # 15 rows of a matrix per tp rank: FSDP2 splits them 8 + 7
 FOUR = {
     "fsdp_dp2_tp2": "parallel.strategy=fsdp parallel.tp=2",
     "ddp_dp2_pp2": "parallel.strategy=ddp parallel.pp=2",
@@ -68,7 +69,8 @@ FOUR = {
                              "parallel.sequence_parallel=true"),
     "tp2_pp2_fp16": "parallel.tp=2 parallel.pp=2 trainer.precision=fp16",
     "fsdp_dp2_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
-    "fsdp_dp2_tp2_muon": "parallel.strategy=fsdp parallel.tp=2 optimizer.name=muon",  # gathered over dp and tp
+    # gathered over dp and tp, from uneven rows
+    "fsdp_dp2_tp2_muon_odd": f"parallel.strategy=fsdp parallel.tp=2 optimizer.name=muon {ODD}",
 }
 APP = TINY + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.save_every=10"]
 APP_MESH = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
@@ -86,6 +88,8 @@ def launch(nproc: int, out, cases: dict, apps: list[list[str]] = ()) -> None:
 
 
 def reference_of(name: str) -> str:
+    if name.endswith("_muon_odd"):
+        return "muon_odd"
     if name.endswith("_muon"):
         return "muon"
     return "untied" if name in TWO_UNTIED else "tied_fp16" if name.endswith("_fp16") else "tied"
@@ -121,7 +125,9 @@ def references(tmp_path_factory):
             "untied": run_steps(["parallel.strategy=none", *OPTIONS.split()], STEPS, out / "untied", evaluate=True),
             "tied_fp16": run_steps(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16",
                                    evaluate=True),
-            "muon": run_steps(["parallel.strategy=none", "optimizer.name=muon"], STEPS, out / "muon", evaluate=True)}
+            "muon": run_steps(["parallel.strategy=none", "optimizer.name=muon"], STEPS, out / "muon", evaluate=True),
+            "muon_odd": run_steps(["parallel.strategy=none", "optimizer.name=muon", *ODD.split()], STEPS,
+                                  out / "muon_odd", evaluate=True)}
 
 
 @pytest.fixture(scope="module")
