@@ -111,7 +111,7 @@ def measure_local() -> dict:
     seconds = measure_block(width, positions, sequences, repeats=3)
     flops = 3 * sequences * positions * (24 * width * width + 4 * positions * width)  # forward + backward
     efficiency = min(1.0, flops / (cpu_peak("fp32")[0] * max(seconds - overhead, 1e-9)))
-    return {**measure_link(), **measure_engines(), "memory_bandwidth": measure_memory_bandwidth(),
+    return {**measure_link_and_engines(), "memory_bandwidth": measure_memory_bandwidth(),
             "block_overhead": overhead, "compute_efficiency": efficiency}
 
 
@@ -140,29 +140,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure_link(timeout_s: float = 120) -> dict:
-    """Latency per ring step and bandwidth of a gloo all-reduce between 2 local processes."""
+def measure_link_and_engines(timeout_s: float = 180) -> dict:
+    """Latency per ring step and bandwidth of a gloo all-reduce between 2 local processes; then,
+    in the first of them (its gloo group closed, its peer gone), tp_overhead, fsdp_overhead and
+    sp_overhead on the fake process group with this process's thread count. One launch: a
+    process's imports cost seconds."""
     with tempfile.TemporaryDirectory() as tmp, multiprocess_lock():
-        procs = [subprocess.Popen([sys.executable, "-m", "costs.calibrate", str(r), str(Path(tmp) / "store")],
+        procs = [subprocess.Popen([sys.executable, "-m", "costs.calibrate", str(r), str(Path(tmp) / "store"),
+                                   str(torch.get_num_threads())],
                                   env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(2)]
         outs = [p.communicate(timeout=timeout_s) for p in procs]
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"the gloo calibration failed: {outs[0][1].strip()[-300:] or outs[1][1].strip()[-300:]}")
+        raise RuntimeError(f"the calibration failed: {outs[0][1].strip()[-300:] or outs[1][1].strip()[-300:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def measure_engines(timeout_s: float = 120) -> dict:
-    """tp_overhead, fsdp_overhead and sp_overhead, measured in a child process (the fake process group it
-    initialises stays out of this one), with this process's thread count."""
-    p = subprocess.run([sys.executable, "-m", "costs.calibrate", "engines", str(torch.get_num_threads())],
-                       env=child_env(), capture_output=True, text=True, timeout=timeout_s)
-    if p.returncode:
-        raise RuntimeError(f"the engine calibration failed: {p.stderr.strip()[-300:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def _engines_child(threads: int) -> None:
+def _engines(threads: int) -> dict:
     """Rank 0 of 2 on the fake process group: a tiny GPT (microseconds of math, like the block
     overhead's) plain, tensor-parallel (tp 2), tensor- and sequence-parallel, and FSDP2-sharded (2
     ranks), one step of each in turn for 20 rounds; per block, the median extra over the plain
@@ -190,11 +184,11 @@ def _engines_child(threads: int) -> None:
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "fsdp", "sp")}
     extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
-    print(json.dumps({f"{name}_overhead": value for name, value in extra.items()}), flush=True)
     dist.destroy_process_group()
+    return {f"{name}_overhead": value for name, value in extra.items()}
 
 
-def _link_child(rank: int, store_path: str) -> None:
+def _link_child(rank: int, store_path: str, threads: int) -> None:
     """One of the 2 calibration processes. A step issues each collective after a stretch of compute,
     and its time sums many of them: so each all-reduce here follows the same ~7 ms of matmuls on
     both ranks, and the mean counts (on the 2-core machine the calls are bimodal, 0.3-0.5 ms or
@@ -218,13 +212,10 @@ def _link_child(rank: int, store_path: str) -> None:
     seconds = mean_after_work(large, 20)
     # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
     bandwidth = large.numel() * large.element_size() / max(seconds - 2 * latency, seconds / 2)
-    if rank == 0:
-        print(json.dumps({"latency": latency, "bandwidth": bandwidth}), flush=True)
     dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"latency": latency, "bandwidth": bandwidth, **_engines(threads)}), flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "engines":
-        _engines_child(int(sys.argv[2]))
-    else:
-        _link_child(int(sys.argv[1]), sys.argv[2])
+    _link_child(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
