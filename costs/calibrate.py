@@ -18,9 +18,11 @@
 - compute efficiency: forward + backward of a 256-wide block on 8 x 128 tokens (about 10 GFLOP),
   less the block overhead, against the peak: the fraction of the matmul peak a GPT block's
   matmuls, attention and element-wise work reach together (0.7-0.8 on the 2-core machine; a
-  narrower model reaches less, which the overhead term partly covers).
+  narrower model reaches less, which the overhead term partly covers);
+- step overhead: a whole training step of that tiny GPT (forward, loss, backward, the clip, fused
+  AdamW, zero_grad) less its blocks' fixed cost: the work every step pays outside the blocks.
 
-The last five are cached in `local-hardware.json` beside the CPU peak cache
+The last six are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
 version. `spawn=False` (a launch under torchrun, whose cores are busy and which holds the lock)
 never starts processes: without a cache it uses the UNCALIBRATED figures below and says so.
@@ -49,7 +51,8 @@ from parallel.tp import apply_tensor_parallel
 from storage.files import atomic_write_text
 
 UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
-                "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0}
+                "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0,
+                "step_overhead": 0.0}
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
@@ -81,9 +84,10 @@ def local_figures(precision: str, spawn: bool = True) -> dict:
             "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
             "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
             "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
-            "sp_overhead": cached["sp_overhead"],
+            "sp_overhead": cached["sp_overhead"], "step_overhead": cached["step_overhead"],
             "overlap": False,  # one process per core: the cores do the collectives' work (costs/hardware.py)
-            "shared_node": True}  # a local launch of more ranks than cores shares them
+            "shared_node": True,  # a local launch of more ranks than cores shares them
+            "reduce_scatter_as_all_reduce": True}  # gloo's reduce_scatter_tensor is an all-reduce
 
 
 def _read(path: Path) -> dict:
@@ -111,8 +115,12 @@ def measure_local() -> dict:
     seconds = measure_block(width, positions, sequences, repeats=3)
     flops = 3 * sequences * positions * (24 * width * width + 4 * positions * width)  # forward + backward
     efficiency = min(1.0, flops / (cpu_peak("fp32")[0] * max(seconds - overhead, 1e-9)))
-    return {**measure_link_and_engines(), "memory_bandwidth": measure_memory_bandwidth(),
-            "block_overhead": overhead, "compute_efficiency": efficiency}
+    figures = measure_link_and_engines()
+    # the step's fixed cost outside the blocks (embedding, head and loss, clip, the optimizer's
+    # per-tensor work, zero_grad): the tiny GPT's whole step less its blocks' fixed cost
+    step_overhead = max(0.0, figures.pop("plain_step") - ENGINE_MODEL[0] * overhead)
+    return {**figures, "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": overhead,
+            "compute_efficiency": efficiency, "step_overhead": step_overhead}
 
 
 def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float:
@@ -185,7 +193,24 @@ def _engines(threads: int) -> dict:
     extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "fsdp", "sp")}
     extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
     dist.destroy_process_group()
-    return {f"{name}_overhead": value for name, value in extra.items()}
+    return {**{f"{name}_overhead": value for name, value in extra.items()}, "plain_step": _plain_step(gpt(), x)}
+
+
+def _plain_step(model: GPT, x: torch.Tensor) -> float:
+    """The median seconds of a whole training step of the tiny GPT as parallel/strategy.py runs an
+    unsharded one: forward, loss, backward, the gradient norm and clip, fused AdamW, zero_grad."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    times = []
+    for round_ in range(23):
+        t0 = time.perf_counter()
+        lm_loss(model(x), x).backward()
+        grads = [p.grad for p in model.parameters()]
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.nn.utils.get_total_norm(grads, 2.0))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if round_ >= 3:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def _link_child(rank: int, store_path: str, threads: int) -> None:

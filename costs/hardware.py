@@ -47,12 +47,20 @@ class Hardware:
     tp_overhead: float = 0.0
     fsdp_overhead: float = 0.0
     sp_overhead: float = 0.0  # what sequence parallelism's redistributions add to a tp block's
+    # seconds per optimizer step of fixed work outside the blocks: the embedding, head and loss, the
+    # clip, the optimizer's per-tensor work, zero_grad
+    step_overhead: float = 0.0
     # collectives run beside compute on their own engine (a GPU: NCCL's kernels, copy engines); False
     # on a CPU, whose cores do a collective's copies and sums themselves: nothing is hidden
     overlap: bool = True
     # every rank of the job runs on this one machine (`local`): ranks beyond devices_per_node share
     # its cores, each computing at devices_per_node / world of one (costs/timing.py)
     shared_node: bool = False
+    # the backend has no ring reduce-scatter and runs it as an all-reduce (gloo: twice the bytes and
+    # ring steps; measured by benchmarks/bytes_per_strategy.py). The
+    # project's ZeRO and FSDP2 plug in their own ring (parallel/collectives.py); DTensor's sequence
+    # parallelism does not, so its reduce-scatters pay it (costs/timing.py)
+    reduce_scatter_as_all_reduce: bool = False
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -111,8 +119,10 @@ def hardware_of(raw, where: str) -> Hardware:
                     parse_bytes(str(raw.get("memory")), f"--hardware file '{where}' memory"),
                     {k: _number(peaks, k, where) for k in DTYPES if k in peaks},
                     _number(raw, "memory_bandwidth", where), links["intra_node"], links["inter_node"],
-                    efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead", "sp_overhead")),
-                    _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False))
+                    efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead", "sp_overhead",
+                                                               "step_overhead")),
+                    _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False),
+                    _flag(raw, "reduce_scatter_as_all_reduce", where, False))
 
 
 def _flag(raw: dict, key: str, where: str, absent: bool) -> bool:

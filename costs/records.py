@@ -71,6 +71,10 @@ class Collective:
     formula: str
     calls: int = 1  # calls per optimizer step (each pays the link's latency per ring step)
     overlaps: bool = False  # issued while compute goes on (costs/timing.py says which and why)
+    # of a "tp" record: the calls and moved bytes that are reduce-scatters (sequence parallelism's),
+    # which a backend without a ring reduce-scatter runs as all-reduces (Hardware.reduce_scatter_as_all_reduce)
+    reduce_scatter_calls: int = 0
+    reduce_scatter_bytes: int = 0
 
 
 @dataclass

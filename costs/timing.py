@@ -2,7 +2,7 @@
 
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
-    compute   = T x 3 F / (peak x efficiency) + overhead x blocks x M      forward + backward (2x forward)
+    compute   = T x 3 F / (peak x efficiency) + overhead x blocks x M + step_overhead   forward + backward (2x forward)
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
     recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
@@ -100,7 +100,8 @@ def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link,
 
 def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple[float, str]:
     """alpha-beta: each call pays a latency per ring step (all-reduce 2(n-1), reduce-scatter and
-    all-gather n-1, a send 1), the bytes sent pay the bandwidth."""
+    all-gather n-1, a send 1), the bytes sent pay the bandwidth. On a backend that runs a
+    reduce-scatter as an all-reduce (gloo), sequence parallelism's reduce-scatters pay both twice."""
     n, link, where = group_link(lay, c.group, hw)
     if c.kind == "send-recv":
         steps = 1
@@ -108,7 +109,10 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple
         steps = 2 * (n - 1)
     else:
         steps = n - 1
-    return c.calls * steps * link.latency + c.moved_bytes / link.bandwidth, where
+    seconds = c.calls * steps * link.latency + c.moved_bytes / link.bandwidth
+    if hw.reduce_scatter_as_all_reduce:
+        seconds += c.reduce_scatter_calls * (n - 1) * link.latency + c.reduce_scatter_bytes / link.bandwidth
+    return seconds, where
 
 
 def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool, hw: Hardware,
@@ -118,7 +122,7 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
-    compute = tokens * 3 * fwd / rate + overhead
+    compute = tokens * 3 * fwd / rate + overhead + hw.step_overhead
     recompute = tokens * fwd_blocks / rate + overhead / 3 if lay.activation_checkpointing else 0.0
     return compute, recompute
 
@@ -145,7 +149,8 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     rest = max(rests, key=lambda terms: sum(t.exposed for t in terms))
     terms = [TimeTerm("compute", compute[slow][0], compute[slow][0],
                       f"{_flops_note(g, lay, held[slow])} at {hw.compute_efficiency:g} x {hw.peak(dtype) / 1e12:.4g} "
-                      f"TFLOP/s ({dtype}) + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M")]
+                      f"TFLOP/s ({dtype}) + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
+                      f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}")]
     if lay.activation_checkpointing:
         terms.append(TimeTerm("recompute", compute[slow][1], compute[slow][1], "one more forward of every block"))
     if b:

@@ -51,9 +51,14 @@ def tp_collective(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: R
     ln_grads = held.layer_norm_elems * PARAM_BYTES if lay.sequence_parallel else 0
     payload = ((ar + ag_rs) * act + small) * m + ln_grads
     moved = round((((2 * ar + ag_rs) * act + 2 * small) * m + 2 * ln_grads) * (tp - 1) / tp)
+    # half of sequence parallelism's gathers and scatters are reduce-scatters: after attention and
+    # the MLP in forward, and the backward of the gathers before them; + the vocabulary-parallel
+    # head input's gradient (the dispatcher counts 4L + 1 reduce_scatter_tensor calls)
+    rs = 4 * held.blocks + int(lay.tp_vocab_parallel and last) if lay.sequence_parallel else 0
     return Collective("tp", "tp", what, payload, moved,
                       "m bsh e (t-1)/t x (12L, or 8L with sequence parallel, + ends) + LayerNorm grads",
-                      calls=(ar + ag_rs + (3 if small else 0)) * m + (1 if ln_grads else 0))
+                      calls=(ar + ag_rs + (3 if small else 0)) * m + (1 if ln_grads else 0),
+                      reduce_scatter_calls=rs * m, reduce_scatter_bytes=round(rs * act * m * (tp - 1) / tp))
 
 
 def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages: list[int]) -> list[Collective]:

@@ -95,6 +95,11 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nshared_node: 2\n", "shared_node must be true or false"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nsp_overhead: fast\n", "needs sp_overhead: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nstep_overhead: -1\n", "needs step_overhead: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nreduce_scatter_as_all_reduce: gloo\n",
+     "reduce_scatter_as_all_reduce must be true or false"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -115,6 +120,8 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert first.tp_overhead > 0 and first.fsdp_overhead > 0 and first.sp_overhead > 0
     assert not first.overlap  # the CPU's cores do the collectives' work
     assert first.shared_node  # a local launch of more ranks than cores shares them
+    assert first.reduce_scatter_as_all_reduce  # gloo's reduce_scatter_tensor is an all-reduce
+    assert 0 < first.step_overhead < 0.1  # the step's fixed work outside the blocks
 
 
 def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):
@@ -141,6 +148,32 @@ def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):
             assert stretched[name] == pytest.approx(2 * seconds), (overrides, name)
     assert terms(shared, 2, "parallel.strategy=ddp") == terms(cores2, 2, "parallel.strategy=ddp")
     assert not any(load_hardware(name).shared_node for name in ("a100-80gb", "h100-sxm"))  # one GPU per rank
+
+
+def test_sequence_parallel_reduce_scatters_cost_an_all_reduce_on_gloo(tmp_path):
+    """gloo runs DTensor's reduce_scatter_tensor as an all-reduce (the bytes benchmark measures 2x a
+    ring's volume): on such a backend sequence parallelism's tp term grows by its reduce-scatters'
+    time, exactly once (half of its gathers and scatters, 4 per block + the vocabulary-parallel
+    head's); plain tp, and the data-parallel engines (their own ring on gloo), are unchanged."""
+    ring = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=8)
+    gloo = dataclasses.replace(ring, reduce_scatter_as_all_reduce=True)
+
+    def tp_term(hardware, *overrides):
+        cfg = load_config(None, XL + ["model.n_head=16", f"trainer.run_dir={tmp_path}", "parallel.strategy=none", "parallel.tp=2",
+                                      *overrides])
+        lay = planner.check_layout(cfg, 2)
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 50257), lay, True, None, hardware)
+        [tp] = [c for c in lp.collectives if c.kind == "tp"]
+        return {t.name: t.seconds for t in lp.time.terms}["tp tp (intra-node)"], tp, lay
+    sp = ("parallel.sequence_parallel=true", "parallel.tp_vocab_parallel=true")
+    plain_ring, plain_gloo = tp_term(ring)[0], tp_term(gloo)[0]
+    assert plain_ring == plain_gloo
+    base, tp, lay = tp_term(ring, *sp)
+    doubled = tp_term(gloo, *sp)[0]
+    rs = (4 * 48 + 1) * lay.microbatches  # XL: 48 blocks
+    assert tp.reduce_scatter_calls == rs and 0 < tp.reduce_scatter_bytes < tp.moved_bytes
+    link = ring.intra_node
+    assert doubled - base == pytest.approx(rs * link.latency + tp.reduce_scatter_bytes / link.bandwidth)
 
 
 def test_without_a_communication_engine_nothing_is_hidden(tmp_path):
