@@ -20,9 +20,11 @@
   matmuls, attention and element-wise work reach together (0.7-0.8 on the 2-core machine; a
   narrower model reaches less, which the overhead term partly covers);
 - step overhead: a whole training step of that tiny GPT (forward, loss, backward, the clip, fused
-  AdamW, zero_grad) less its blocks' fixed cost: the work every step pays outside the blocks.
+  AdamW, zero_grad) less its blocks' fixed cost: the work every step pays outside the blocks;
+- busy-node slowdown: a block's forward + backward while both calibration processes compute, over
+  the same alone (the cores share the memory system: 1.02-1.05 measured on the 2-core machine).
 
-The last six are cached in `local-hardware.json` beside the CPU peak cache
+The last seven are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
 version. `spawn=False` (a launch under torchrun, whose cores are busy and which holds the lock)
 never starts processes: without a cache it uses the UNCALIBRATED figures below and says so.
@@ -52,7 +54,7 @@ from storage.files import atomic_write_text
 
 UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
                 "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0,
-                "step_overhead": 0.0}
+                "step_overhead": 0.0, "busy_node_slowdown": 1.0}
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
@@ -85,6 +87,7 @@ def local_figures(precision: str, spawn: bool = True) -> dict:
             "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
             "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
             "sp_overhead": cached["sp_overhead"], "step_overhead": cached["step_overhead"],
+            "busy_node_slowdown": cached["busy_node_slowdown"],
             "overlap": False,  # one process per core: the cores do the collectives' work (costs/hardware.py)
             "shared_node": True,  # a local launch of more ranks than cores shares them
             "reduce_scatter_as_all_reduce": True}  # gloo's reduce_scatter_tensor is an all-reduce
@@ -213,6 +216,22 @@ def _plain_step(model: GPT, x: torch.Tensor) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def busy_node_slowdown(rank: int, repeats: int = 7) -> float:
+    """The median forward + backward of a 128-wide GPT block (8 x 64 tokens, ~20 ms) while the
+    other process computes the same, over the median while it waits in a barrier (>= 1)."""
+    block = Block(GPTConfig(block_size=64, n_embd=128, n_head=4, dropout=0.0))
+    x = torch.randn(8, 64, 128, requires_grad=True)
+
+    def median_step() -> float:
+        block(x).sum().backward()
+        return sorted(_timed(lambda: block(x).sum().backward()) for _ in range(repeats))[repeats // 2]
+    alone = median_step() if rank == 0 else 0.0
+    dist.barrier()
+    both = median_step()
+    dist.barrier()
+    return max(1.0, both / alone) if rank == 0 else 1.0
+
+
 def _link_child(rank: int, store_path: str, threads: int) -> None:
     """One of the 2 calibration processes. A step issues each collective after a stretch of compute,
     and its time sums many of them: so each all-reduce here follows the same ~7 ms of matmuls on
@@ -221,6 +240,7 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     4 KB all-reduce / 2 (2 ring steps on 2 ranks); bandwidth: each rank sends K of an 8 MB one,
     K / (mean - 2 latency)."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    slowdown = busy_node_slowdown(rank)
     a = torch.randn(256, 256)
 
     def mean_after_work(tensor: torch.Tensor, calls: int) -> float:
@@ -239,7 +259,8 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     bandwidth = large.numel() * large.element_size() / max(seconds - 2 * latency, seconds / 2)
     dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps({"latency": latency, "bandwidth": bandwidth, **_engines(threads)}), flush=True)
+        print(json.dumps({"latency": latency, "bandwidth": bandwidth, "busy_node_slowdown": slowdown,
+                          **_engines(threads)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,10 @@ class Hardware:
     # project's ZeRO and FSDP2 plug in their own ring (parallel/collectives.py); DTensor's sequence
     # parallelism does not, so its reduce-scatters pay it (costs/timing.py)
     reduce_scatter_as_all_reduce: bool = False
+    # how much slower one device computes while every device of its node computes too (>= 1): CPU
+    # cores share the memory system and caches (local measures it with 2 processes); a GPU's own
+    # HBM is its own, 1
+    busy_node_slowdown: float = 1.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -122,13 +126,23 @@ def hardware_of(raw, where: str) -> Hardware:
                     efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead", "sp_overhead",
                                                                "step_overhead")),
                     _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False),
-                    _flag(raw, "reduce_scatter_as_all_reduce", where, False))
+                    _flag(raw, "reduce_scatter_as_all_reduce", where, False), _slowdown(raw, where))
 
 
 def _flag(raw: dict, key: str, where: str, absent: bool) -> bool:
     value = raw.get(key, absent)
     if not isinstance(value, bool):
         raise UsageError(f"--hardware file '{where}': {key} must be true or false (got {value!r})")
+    return value
+
+
+def _slowdown(raw: dict, where: str) -> float:
+    """busy_node_slowdown: a factor >= 1, absent is 1."""
+    if "busy_node_slowdown" not in raw:
+        return 1.0
+    value = _number(raw, "busy_node_slowdown", where)
+    if value < 1:
+        raise UsageError(f"--hardware file '{where}': busy_node_slowdown {value} is a slowdown factor; give >= 1")
     return value
 
 

@@ -2,7 +2,8 @@
 
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
-    compute   = T x 3 F / (peak x efficiency) + overhead x blocks x M + step_overhead   forward + backward (2x forward)
+    compute   = (T x 3 F / (peak x efficiency) + overhead x blocks x M + step_overhead) x busy   forward + backward (2x forward)
+    busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
     recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
@@ -124,7 +125,8 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
     compute = tokens * 3 * fwd / rate + overhead + hw.step_overhead
     recompute = tokens * fwd_blocks / rate + overhead / 3 if lay.activation_checkpointing else 0.0
-    return compute, recompute
+    busy = hw.busy_node_slowdown if lay.dp * lay.tp * lay.pp > 1 else 1.0  # every device of the node computes
+    return compute * busy, recompute * busy
 
 
 def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
@@ -139,7 +141,7 @@ def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
 def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic: list[list[Collective]],
               optimizer_elems: list[int], hw: Hardware, dtype: str, batch_size: int) -> StepTime:
     """The predicted step (the module's doc): slowest compute + bubble + worst exposed rest."""
-    last = lay.num_stages - 1
+    last, world = lay.num_stages - 1, lay.dp * lay.tp * lay.pp
     compute = [rank_compute(g, lay, h, lay.pp == 1 or last in lay.stages_of(r), hw, dtype)
                for r, h in enumerate(held)]
     slow = max(range(len(compute)), key=lambda r: sum(compute[r]))
@@ -150,7 +152,8 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     terms = [TimeTerm("compute", compute[slow][0], compute[slow][0],
                       f"{_flops_note(g, lay, held[slow])} at {hw.compute_efficiency:g} x {hw.peak(dtype) / 1e12:.4g} "
                       f"TFLOP/s ({dtype}) + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
-                      f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}")]
+                      f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
+                      f"{f', x {hw.busy_node_slowdown:.3g} on a busy node' if hw.busy_node_slowdown > 1 and world > 1 else ''}")]
     if lay.activation_checkpointing:
         terms.append(TimeTerm("recompute", compute[slow][1], compute[slow][1], "one more forward of every block"))
     if b:
@@ -162,7 +165,6 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
         terms = [_stretched(t, share) for t in terms]
     step = sum(t.exposed for t in terms)
     tokens = batch_size * g.block_size / step
-    world = lay.dp * lay.tp * lay.pp
     devices = min(world, hw.devices_per_node) if hw.shared_node else world  # ranks sharing cores share their peak
     mfu = model_flops_per_token(g) * tokens / (hw.peak(dtype) * devices)
     return StepTime(hw.name, step, tokens, mfu, terms)

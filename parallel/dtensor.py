@@ -8,8 +8,9 @@ both (LayerNorms and a replicated embedding stay plain). Code that must work on 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -53,8 +54,22 @@ def settle_partial_grads(modules: list[nn.Module]) -> None:
     """Collective (tp). Every gradient left Partial, reduced once to its parameter's placement:
     under sequence parallelism a LayerNorm weight's gradient is a Partial sum (each tp rank saw
     T / tp positions), and left so, every later read of it (the gradient norm, AdamW's three)
-    would all-reduce it again (measured by benchmarks/strategy_report.py)."""
-    for p in {id(p): p for m in modules for p in m.parameters()}.values():
+    would all-reduce it again (measured by benchmarks/strategy_report.py). The Partial sums of
+    replicated parameters on a 1-D mesh (every LayerNorm's) go in one all-reduce per mesh and
+    dtype: one call each would pay the link's latency 2 x (num LayerNorms) times per step."""
+    params = [p for p in {id(p): p for m in modules for p in m.parameters()}.values()
+              if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)]
+    batches: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
         g = p.grad
-        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+        if g.device_mesh.ndim == 1 and g.placements == (Partial("sum"),) and p.placements == (Replicate(),):
+            batches.setdefault((id(g.device_mesh), g.dtype), []).append(p)
+        else:
             grad_like_param(p)
+    for batch in batches.values():
+        mesh = batch[0].grad.device_mesh
+        locals_ = [p.grad.to_local() for p in batch]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        dist.all_reduce(flat, group=mesh.get_group())
+        for p, piece in zip(batch, flat.split([t.numel() for t in locals_])):
+            p.grad = DTensor.from_local(piece.view(p.grad.shape), mesh, (Replicate(),), run_check=False)

@@ -100,6 +100,9 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nreduce_scatter_as_all_reduce: gloo\n",
      "reduce_scatter_as_all_reduce must be true or false"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nbusy_node_slowdown: 0.5\n",
+     "busy_node_slowdown 0.5 is a slowdown factor; give >= 1"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -122,6 +125,7 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert first.shared_node  # a local launch of more ranks than cores shares them
     assert first.reduce_scatter_as_all_reduce  # gloo's reduce_scatter_tensor is an all-reduce
     assert 0 < first.step_overhead < 0.1  # the step's fixed work outside the blocks
+    assert 1 <= first.busy_node_slowdown < 2  # a block while the other core computes too, over alone
 
 
 def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):

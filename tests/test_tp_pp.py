@@ -26,13 +26,21 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import main as app
 from config import UsageError, load_config
+from costs.measure import CollectiveCounter
 from costs.parity import FP16_SCALE, LOSS_RTOL, MIN_STEPS, assert_parity, load_case, run_steps
 from harness import metric_rows
 from launch.local import TINY, torchrun
+from model import GPT, GPTConfig, lm_loss
+from parallel.dtensor import settle_partial_grads
 from parallel.layout import Layout
+from parallel.tp import apply_tensor_parallel
 
 STEPS = 6  # each tp step costs ~0.6 s here (DTensor dispatch, gloo waits): 6 steps keep the suite short
 VAL_RTOL = 1e-4
@@ -152,6 +160,30 @@ def test_parity_two_processes(references, two, name):
 @pytest.mark.parametrize("name", list(FOUR))
 def test_parity_four_processes(references, four, name):
     assert_case(references[reference_of(name)], load_case(four, name), name)
+
+
+def test_sequence_parallel_layer_norm_gradients_settle_in_one_all_reduce():
+    """Under sequence parallelism every LayerNorm's gradient comes out of backward a Partial sum;
+    settling them costs one all-reduce for all of them (not 2 per LayerNorm, each paying the link's
+    latency), and leaves each Replicate like its parameter. (torch's fake process group: the
+    collectives are counted, their values are not the point; the parity cases check those.)"""
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = apply_tensor_parallel(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32,
+                                                    dropout=0.0)), mesh, sequence_parallel=True)
+        x = torch.randint(0, 64, (2, 16))
+        lm_loss(model(x), x).backward()
+        norms = [p for name, p in model.named_parameters() if "ln" in name]
+        assert len(norms) == 2 * (2 * 3 + 1)  # weight and bias of 2 LayerNorms per block + ln_f
+        assert all(isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial() for p in norms)
+        with CollectiveCounter() as counter:
+            settle_partial_grads([model])
+        assert [c.kind for c in counter.calls] == ["all-reduce"], counter.calls
+        assert all(p.grad.placements == (Replicate(),) for p in norms)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_app_trains_evaluates_samples_exports_and_reshards(four, tmp_path):
