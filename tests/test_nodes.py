@@ -43,7 +43,7 @@ from launch.multinode import (
 )
 from snapshots.consolidate import consolidate
 
-STEPS = 60
+STEPS = 40
 # log_every=1: a loss and a gradient norm for every step; snapshots every 10 steps.
 # keep_snapshots: every snapshot stays, so the parity test can read the one of step 10.
 NODES = TINY + ["trainer.sample_tokens=0", "parallel.strategy=fsdp", "model.n_embd=64",

@@ -194,9 +194,9 @@ def uninterrupted(tmp_path_factory):
 
 def test_sigkill_at_random_moments_restarts_and_matches(uninterrupted, tmp_path):
     run = tmp_path / "killed"
-    rc, out = launch_and_kill(run, kills=3, seed=int(time.time()))
+    rc, out = launch_and_kill(run, kills=2, seed=int(time.time()))
     assert rc == 0, out[-4000:]
-    assert out.count("[test] killed worker") == 3, out[-4000:]
+    assert out.count("[test] killed worker") == 2, out[-4000:]
     assert_bit_identical(uninterrupted, run)
     steps = metric_steps(run)
     assert steps == sorted(set(steps)) == metric_steps(uninterrupted), steps
