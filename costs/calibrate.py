@@ -22,7 +22,8 @@
 - step overhead: a whole training step of that tiny GPT (forward, loss, backward, the clip, fused
   AdamW, zero_grad) less its blocks' fixed cost: the work every step pays outside the blocks;
 - busy-node slowdown: a block's forward + backward while both calibration processes compute, over
-  the same alone (the cores share the memory system: 1.02-1.05 measured on the 2-core machine).
+  the same alone (the cores share the memory system: 1.016 calibrated on the 2-core machine, 1.02-1.03
+  by hand on 256-wide blocks).
 
 The last seven are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
@@ -152,10 +153,11 @@ def _timed(fn) -> float:
 
 
 def measure_link_and_engines(timeout_s: float = 180) -> dict:
-    """Latency per ring step and bandwidth of a gloo all-reduce between 2 local processes; then,
-    in the first of them (its gloo group closed, its peer gone), tp_overhead, fsdp_overhead and
-    sp_overhead on the fake process group with this process's thread count. One launch: a
-    process's imports cost seconds."""
+    """The figures 2 local processes measure (`_link_child`): the busy-node slowdown, the latency per
+    ring step and bandwidth of a gloo all-reduce; then, in the first of them (its gloo group closed,
+    its peer gone), tp_overhead, fsdp_overhead, sp_overhead and the plain tiny GPT's whole step on
+    the fake process group with this process's thread count. One launch: a process's imports cost
+    seconds."""
     with tempfile.TemporaryDirectory() as tmp, multiprocess_lock():
         procs = [subprocess.Popen([sys.executable, "-m", "costs.calibrate", str(r), str(Path(tmp) / "store"),
                                    str(torch.get_num_threads())],

@@ -57,9 +57,9 @@ class Hardware:
     # its cores, each computing at devices_per_node / world of one (costs/timing.py)
     shared_node: bool = False
     # the backend has no ring reduce-scatter and runs it as an all-reduce (gloo: twice the bytes and
-    # ring steps; measured by benchmarks/bytes_per_strategy.py). The
-    # project's ZeRO and FSDP2 plug in their own ring (parallel/collectives.py); DTensor's sequence
-    # parallelism does not, so its reduce-scatters pay it (costs/timing.py)
+    # ring steps; measured by benchmarks/bytes_per_strategy.py). The project's ZeRO and FSDP2 plug in
+    # their own ring (parallel/collectives.py); DTensor's sequence parallelism does not, so its
+    # reduce-scatters pay it (costs/timing.py)
     reduce_scatter_as_all_reduce: bool = False
     # how much slower one device computes while every device of its node computes too (>= 1): CPU
     # cores share the memory system and caches (local measures it with 2 processes); a GPU's own
