@@ -38,6 +38,10 @@ class PlannedLayout:
         return self.dp // self.dp_replicate
 
     @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
     def name(self) -> str:
         keep = " no-reshard" if self.strategy is Engine.FSDP and not self.reshard_after_forward else ""
         label = "hsdp" if self.dp_replicate > 1 else self.strategy.value

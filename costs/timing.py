@@ -88,7 +88,7 @@ def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link,
     size, stride = {"dp": (lay.dp, lay.tp), "dp_shard": (lay.dp_shard, lay.tp),
                     "dp_replicate": (lay.dp_replicate, lay.dp_shard * lay.tp), "tp": (lay.tp, 1),
                     "pp": (2, lay.dp * lay.tp), "tied": (2, lay.dp * lay.tp * max(1, lay.pp - 1))}[group]
-    world, per_node = lay.dp * lay.tp * lay.pp, hw.devices_per_node
+    world, per_node = lay.world, hw.devices_per_node
     span = size * stride
     if hw.shared_node or world <= per_node or (span <= per_node and per_node % span == 0):
         return size, hw.intra_node, "intra-node"
@@ -125,7 +125,7 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
     compute = tokens * 3 * fwd / rate + overhead + hw.step_overhead
     recompute = tokens * fwd_blocks / rate + overhead / 3 if lay.activation_checkpointing else 0.0
-    busy = hw.busy_node_slowdown if lay.dp * lay.tp * lay.pp > 1 else 1.0  # every device of the node computes
+    busy = hw.busy_node_slowdown if lay.world > 1 else 1.0  # every device of the node computes
     return compute * busy, recompute * busy
 
 
@@ -141,7 +141,7 @@ def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
 def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic: list[list[Collective]],
               optimizer_elems: list[int], hw: Hardware, dtype: str, batch_size: int) -> StepTime:
     """The predicted step (the module's doc): slowest compute + bubble + worst exposed rest."""
-    last, world = lay.num_stages - 1, lay.dp * lay.tp * lay.pp
+    last, world = lay.num_stages - 1, lay.world
     compute = [rank_compute(g, lay, h, lay.pp == 1 or last in lay.stages_of(r), hw, dtype)
                for r, h in enumerate(held)]
     slow = max(range(len(compute)), key=lambda r: sum(compute[r]))
@@ -172,8 +172,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
 
 def oversubscription(lay: PlannedLayout, hw: Hardware) -> float:
     """Ranks per core on a shared node (1 when every rank has its own device)."""
-    world = lay.dp * lay.tp * lay.pp
-    return max(1.0, world / hw.devices_per_node) if hw.shared_node else 1.0
+    return max(1.0, lay.world / hw.devices_per_node) if hw.shared_node else 1.0
 
 
 def _stretched(term: TimeTerm, share: float) -> TimeTerm:

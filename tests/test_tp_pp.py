@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import main as app
 from config import UsageError, load_config
+from costs.fake_world import start_rank
 from costs.measure import CollectiveCounter
 from costs.parity import FP16_SCALE, LOSS_RTOL, MIN_STEPS, assert_parity, load_case, run_steps
 from harness import metric_rows
@@ -167,7 +167,7 @@ def test_sequence_parallel_layer_norm_gradients_settle_in_one_all_reduce():
     settling them costs one all-reduce for all of them (not 2 per LayerNorm, each paying the link's
     latency), and leaves each Replicate like its parameter. (torch's fake process group: the
     collectives are counted, their values are not the point; the parity cases check those.)"""
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    start_rank(2, 0)  # the dry run's: a clean DTensor sharding cache in this shared pytest process
     try:
         mesh = init_device_mesh("cpu", (2,))
         torch.manual_seed(0)
