@@ -134,6 +134,24 @@ def worker_pids(parent_pid: int) -> list[int]:
     return pids
 
 
+def rank_of(pid: int) -> int | None:
+    """The RANK a torchrun worker was started with (its environment), or None once it is gone."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
+    return found[0] if found else None
+
+
+def rank_pid(agent_pid: int, rank: int) -> int:
+    """The PID of the worker of `rank` under torchrun's agent `agent_pid`."""
+    for pid in worker_pids(agent_pid):
+        if rank_of(pid) == rank:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under {agent_pid}")
+
+
 def torchrun_until(nproc: int, args: list[str], timeout_s: int, capture: bool = False,
                    **env) -> subprocess.CompletedProcess:
     """A benchmark's measuring launch: `args` on `nproc` local ranks holding the machine-wide lock,

@@ -22,7 +22,7 @@ import main as app
 from config import load_config
 from harness import metric_steps, model_tensors
 from launch.build import build_trainer
-from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun, torchrun_argv, worker_pids
+from launch.local import REPO, TINY, child_env, multiprocess_lock, rank_pid, torchrun, torchrun_argv, worker_pids
 from launch.stopping import torchrun_command
 from parallel.env import init_distributed
 
@@ -38,14 +38,6 @@ TORCHRUN = torchrun_argv(2, [])
 
 def snapshots(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "snapshots").iterdir())
-
-
-def rank_pid(agent_pid: int, rank: int) -> int:
-    for pid in worker_pids(agent_pid):
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in env:
-            return pid
-    raise AssertionError(f"no worker of rank {rank} under {agent_pid}")
 
 
 def launch(cmd: list[str], signal_to: str | None, when: str | Path = "training", **env) -> tuple[int, str]:

@@ -13,21 +13,12 @@ import subprocess
 import sys
 import time
 
-from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun_argv, worker_pids
+from launch.local import REPO, TINY, child_env, multiprocess_lock, rank_of, torchrun_argv, worker_pids
 from observe.stragglers import SLOW_WINDOWS, median_without, thread_clock_ns
 
 BUSY = 4  # busy processes on rank 1's core: a strong slowdown, clear of other load on the machine
 CONFIG = TINY + ["parallel.strategy=ddp", "model.n_embd=64", "model.block_size=32", "trainer.max_steps=60",
                  "trainer.log_every=5", "trainer.eval_every=0", "trainer.sample_tokens=0"]
-
-
-def rank_of(pid: int) -> int | None:
-    try:
-        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
-        return None
-    found = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
-    return found[0] if found else None
 
 
 def pin_workers(agent_pid: int) -> None:
