@@ -55,3 +55,19 @@ def ddp_reference(tmp_path_factory) -> Path:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert not (run / "hang").exists()  # no false alarm of the hang watchdog on steps, evaluation, saves
     return run
+
+
+# The longer reference of the kill and stop tests: ddp over 2 processes, 120 steps of a wider
+# model (a signal or a kill lands mid-training), a snapshot every 10 steps. Snapshots change no
+# number, so the tests whose runs save at other steps (or only when stopped) compare with it too.
+LONG_DDP_REFERENCE = TINY + ["parallel.strategy=ddp", "model.n_embd=64", "trainer.max_steps=120",
+                             "trainer.save_every=10", "trainer.log_every=10", "trainer.eval_every=40",
+                             "trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
+
+
+@pytest.fixture(scope="session")
+def long_ddp_reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("long_ddp_reference") / "run"
+    r = torchrun(2, ["main.py", *LONG_DDP_REFERENCE, f"trainer.run_dir={run}"], timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return run

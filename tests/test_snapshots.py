@@ -15,11 +15,12 @@ import torch
 
 import export as export_cmd
 import sample as sample_cmd
+from conftest import LONG_DDP_REFERENCE
 from harness import app_in_process, metric_steps, model_tensors
-from launch.local import REPO, TINY, child_env, multiprocess_lock, python, torchrun, torchrun_argv, worker_pids
+from launch.local import REPO, TINY, child_env, multiprocess_lock, python, torchrun_argv, worker_pids
 
 # The cosine schedule's length is fixed, so a run cut at step k and resumed with a larger
-# max_steps follows the same LR curve as the uninterrupted one.
+# max_steps follows the same LR curve as the long_ddp_reference one.
 NO_SAMPLE = ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
 
 
@@ -136,10 +137,7 @@ def test_export_and_sample_from_snapshot(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- elastic restarts
 
-ELASTIC = TINY + NO_SAMPLE + [
-    "parallel.strategy=ddp", "model.n_embd=64", "trainer.max_steps=120", "trainer.save_every=10",
-    "trainer.log_every=10", "trainer.eval_every=40",
-]
+ELASTIC = LONG_DDP_REFERENCE
 
 
 def launch_and_kill(run_dir: Path, kills: int, extra: list[str] = (), env: dict | None = None,
@@ -184,28 +182,20 @@ def launch_and_kill(run_dir: Path, kills: int, extra: list[str] = (), env: dict 
     return rc, "".join(lines)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run = tmp_path_factory.mktemp("elastic") / "uninterrupted"
-    r = torchrun(2, ["main.py", *ELASTIC, f"trainer.run_dir={run}"])
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return run
-
-
-def test_sigkill_at_random_moments_restarts_and_matches(uninterrupted, tmp_path):
+def test_sigkill_at_random_moments_restarts_and_matches(long_ddp_reference, tmp_path):
     run = tmp_path / "killed"
     rc, out = launch_and_kill(run, kills=2, seed=int(time.time()))
     assert rc == 0, out[-4000:]
     assert out.count("[test] killed worker") == 2, out[-4000:]
-    assert_bit_identical(uninterrupted, run)
+    assert_bit_identical(long_ddp_reference, run)
     steps = metric_steps(run)
-    assert steps == sorted(set(steps)) == metric_steps(uninterrupted), steps
+    assert steps == sorted(set(steps)) == metric_steps(long_ddp_reference), steps
 
 
-def test_kill_during_snapshot_write_keeps_previous(uninterrupted, tmp_path):
+def test_kill_during_snapshot_write_keeps_previous(long_ddp_reference, tmp_path):
     run = tmp_path / "killed-in-save"
     rc, out = launch_and_kill(run, kills=0, max_restarts=1, env={"MINGPT_FAULT": "kill:save:60:1"})
     assert rc == 0, out[-4000:]
     assert "resumed from" in out and "step_0000050 at step 50" in out, out[-4000:]
     assert not list((run / "snapshots").glob(".tmp-*"))
-    assert_bit_identical(uninterrupted, run)
+    assert_bit_identical(long_ddp_reference, run)

@@ -20,16 +20,16 @@ import torch
 
 import main as app
 from config import load_config
+from conftest import LONG_DDP_REFERENCE
 from harness import metric_steps, model_tensors
 from launch.build import build_trainer
 from launch.local import REPO, TINY, child_env, multiprocess_lock, rank_pid, torchrun, torchrun_argv, worker_pids
 from launch.stopping import torchrun_command
 from parallel.env import init_distributed
 
-# save_every=0 (TINY): the only snapshots are the stop snapshots and the final one, so a relaunch
-# can only resume from what the stop wrote.
-STOP = TINY + ["trainer.sample_tokens=0", "parallel.strategy=ddp", "model.n_embd=64",
-               "trainer.max_steps=120", "trainer.log_every=10", "trainer.eval_every=40"]
+# save_every=0: the only snapshots are the stop snapshots and the final one, so a relaunch can only
+# resume from what the stop wrote.
+STOP = LONG_DDP_REFERENCE + ["trainer.save_every=0"]
 STOP_LINE = re.compile(r"^stopped by (SIGTERM|SIGINT) at step (\d+): saved (\S+); to resume: (.+)$", re.M)
 START_LINE = re.compile(r"^stopped by (SIGINT|SIGTERM) during start-up: this launch saved nothing; to relaunch: (.+)$",
                         re.M)
@@ -105,10 +105,9 @@ def stop_of(out: str) -> tuple[int, str, list[str]]:
     return int(found[0][1]), found[0][2], shlex.split(found[0][3])
 
 
-def test_ctrl_c_or_sigterm_stops_at_one_step_saves_it_and_the_printed_command_resumes(tmp_path):
-    reference, run = tmp_path / "reference", tmp_path / "run"
-    r = torchrun(2, ["main.py", *STOP, f"trainer.run_dir={reference}"], timeout=200)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+def test_ctrl_c_or_sigterm_stops_at_one_step_saves_it_and_the_printed_command_resumes(long_ddp_reference,
+                                                                                      tmp_path):
+    reference, run = long_ddp_reference, tmp_path / "run"
 
     # (a) Ctrl-C: SIGINT to the whole process group mid-run (torchrun's agent and both workers).
     cmd_a = [*TORCHRUN, "main.py", *STOP, f"trainer.run_dir={run}"]
