@@ -7,12 +7,15 @@ launch (this script, relaunched under torchrun), and checks parity with a single
 as tests/test_tp_pp.py does (costs/parity.py): first-step gradients <= 1e-6 abs, loss <= 1e-4 and
 gradient norm <= 1e-5 relative at each step, parameters after the first and the last step <= 1e-5
 abs, validation loss after the last step.
-Optionally also the whole app (main.py) on the same mesh. tests/test_mesh_2x2x2.py runs it with
---app in CI (about a minute on 2 cores, mostly the start-up of 8 processes):
+Optionally also the whole app (main.py) in the same launch: on the mesh, and with the default
+config as `torchrun --nproc_per_node=8 main.py` runs it (ddp over 8, 3 steps). The tests run it
+with --app --keep DIR in CI (about a minute and a half on 2 cores, half of it the start-up of 8
+processes) and read both run folders under DIR:
 
     python benchmarks/mesh_2x2x2.py            # parity case, prints the per-step losses
-    python benchmarks/mesh_2x2x2.py --app      # + main.py on the same mesh (train, eval, sample, model.pt)
-Exit status 0 = parity holds (and the app run succeeded).
+    python benchmarks/mesh_2x2x2.py --app      # + main.py on the mesh and with the default config
+    python benchmarks/mesh_2x2x2.py --app --keep DIR  # keep the run folders and the launch's output
+Exit status 0 = parity holds (and both app runs succeeded).
 """
 from __future__ import annotations
 
@@ -26,78 +29,97 @@ from pathlib import Path
 import _repo  # noqa: F401  (the repository on sys.path)
 
 from costs.parity import assert_parity, load_case, parity_errors, run_steps, save_cases
-from launch.local import TINY, torchrun
+from launch.local import CORPUS, TINY, torchrun
 
 STEPS = 6
 MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=1f1b"
 # HSDP composed with tensor parallelism on the same 8 processes: dp_replicate 2 x dp_shard 2 x tp 2
 HSDP_TP = "parallel.strategy=fsdp parallel.dp_replicate=2 parallel.tp=2"
+# gpt2_train_cfg.yaml untouched but for the corpus, the run folder and a short run
+DEFAULT_STEPS = 3
+DEFAULT_APP = [f"data.path={CORPUS}", f"trainer.max_steps={DEFAULT_STEPS}", "trainer.eval_batches=2"]
 
 
 def worker(out: Path, app: bool) -> None:
     """One rank of the 8-process launch: both parity cases (costs.parity.run_steps; rank 0 saves
-    OUT/NAME.pt) and, with `app`, main.py on the mesh (rank 0 writes OUT/app_exit_codes.json),
-    all in one process group."""
+    OUT/NAME.pt) and, with `app`, main.py on the mesh (OUT/app) and with the default config
+    (OUT/default; rank 0 writes both exit codes to OUT/app_exit_codes.json), all in one process
+    group."""
     import torch.distributed as dist
 
     import main as app
 
     save_cases([("mesh", MESH), ("hsdp_tp", HSDP_TP)], STEPS, out, evaluate=True)
     if app:
-        code = app.main(TINY + MESH.split() + [f"trainer.max_steps={STEPS}", f"trainer.run_dir={out / 'app'}"],
-                         keep_process_group=True)
+        codes = [app.main(TINY + MESH.split() + [f"trainer.max_steps={STEPS}", f"trainer.run_dir={out / 'app'}"],
+                          keep_process_group=True)]
+        dist.barrier()
+        codes.append(app.main(DEFAULT_APP + [f"trainer.run_dir={out / 'default'}"], keep_process_group=True))
         if dist.get_rank() == 0:
-            (out / "app_exit_codes.json").write_text(json.dumps([code]))
+            (out / "app_exit_codes.json").write_text(json.dumps(codes))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def measure(out: Path, app: bool) -> int:
+    """The reference in this process, then the 8-process launch; prints the figures, checks parity
+    (and the app runs), 0 when everything holds. Outputs under `out`."""
+    ref = run_steps(["parallel.strategy=none"], STEPS, out / "ref", evaluate=True)
+    cmd = [str(Path(__file__).resolve()), "--worker", "--out", str(out), *(["--app"] if app else [])]
+    t0 = time.perf_counter()
+    r = torchrun(8, cmd, timeout=300)
+    wall = time.perf_counter() - t0
+    (out / "launch.out").write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-3000:], sep="\n")
+        return 1
+    got = load_case(out, "mesh")
+    print(f"8-process launch: {wall:.0f} s wall (dp=2 x tp=2 x pp=2, {STEPS} steps + eval)")
+    print("step  loss: one process   2x2x2 mesh   grad norm: one process   2x2x2 mesh")
+    for i, (a, b, na, nb) in enumerate(zip(ref["losses"], got["losses"], ref["grad_norms"],
+                                           got["grad_norms"])):
+        print(f"{i:4d}  {a:.7f}   {b:.7f}   {na:.7f}   {nb:.7f}")
+    print(f"val   {ref['val_loss']:.7f}   {got['val_loss']:.7f}")
+    errors = parity_errors(ref, got)
+    print(f"max differences: first-step gradients {errors['grad_abs']:.1e} abs over "
+          f"{len(ref['grads'])} tensors, gradient norm {errors['norm_rel']:.1e} rel, parameters "
+          f"after the first step {errors['first_param_abs']:.1e} abs, after the last "
+          f"{errors['param_abs']:.1e} abs")
+    assert_parity(ref, got, "dp2 x tp2 x pp2")
+    assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"]
+    hsdp = load_case(out, "hsdp_tp")
+    errors = parity_errors(ref, hsdp)
+    print(f"hsdp 2x2 x tp 2: max differences: gradient norm {errors['norm_rel']:.1e} rel, parameters "
+          f"after the last step {errors['param_abs']:.1e} abs")
+    assert_parity(ref, hsdp, "dp_replicate2 x dp_shard2 x tp2")
+    if app:
+        codes = json.loads((out / "app_exit_codes.json").read_text())
+        for (where, folder), code in zip((("on the mesh", "app"), ("with the default config", "default")), codes):
+            files = sorted(p.name for p in (out / folder).iterdir())
+            print(f"main.py {where}: exit {code}, wrote {', '.join(files)}")
+            if code != 0 or "model.pt" not in files:
+                return 1
+    print("parity: OK")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--app", action="store_true", help="also run main.py on the 2x2x2 mesh")
+    ap.add_argument("--app", action="store_true",
+                    help="also run main.py on the 2x2x2 mesh and with the default config")
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="write the outputs (run folders, the launch's output in launch.out) to DIR, kept")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.out, args.app)
         return 0
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        return measure(args.keep, args.app)
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        ref = run_steps(["parallel.strategy=none"], STEPS, out / "ref", evaluate=True)
-        cmd = [str(Path(__file__).resolve()), "--worker", "--out", str(out), *(["--app"] if args.app else [])]
-        t0 = time.perf_counter()
-        r = torchrun(8, cmd, timeout=300)
-        wall = time.perf_counter() - t0
-        if r.returncode != 0:
-            print(r.stdout[-3000:], r.stderr[-3000:], sep="\n")
-            return 1
-        got = load_case(out, "mesh")
-        print(f"8-process launch: {wall:.0f} s wall (dp=2 x tp=2 x pp=2, {STEPS} steps + eval)")
-        print("step  loss: one process   2x2x2 mesh   grad norm: one process   2x2x2 mesh")
-        for i, (a, b, na, nb) in enumerate(zip(ref["losses"], got["losses"], ref["grad_norms"],
-                                               got["grad_norms"])):
-            print(f"{i:4d}  {a:.7f}   {b:.7f}   {na:.7f}   {nb:.7f}")
-        print(f"val   {ref['val_loss']:.7f}   {got['val_loss']:.7f}")
-        errors = parity_errors(ref, got)
-        print(f"max differences: first-step gradients {errors['grad_abs']:.1e} abs over "
-              f"{len(ref['grads'])} tensors, gradient norm {errors['norm_rel']:.1e} rel, parameters "
-              f"after the first step {errors['first_param_abs']:.1e} abs, after the last "
-              f"{errors['param_abs']:.1e} abs")
-        assert_parity(ref, got, "dp2 x tp2 x pp2")
-        assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"]
-        hsdp = load_case(out, "hsdp_tp")
-        errors = parity_errors(ref, hsdp)
-        print(f"hsdp 2x2 x tp 2: max differences: gradient norm {errors['norm_rel']:.1e} rel, parameters "
-              f"after the last step {errors['param_abs']:.1e} abs")
-        assert_parity(ref, hsdp, "dp_replicate2 x dp_shard2 x tp2")
-        if args.app:
-            codes = json.loads((out / "app_exit_codes.json").read_text())
-            files = sorted(p.name for p in (out / "app").iterdir())
-            print(f"main.py on the mesh: exit {codes[0]}, wrote {', '.join(files)}")
-            if codes != [0] or "model.pt" not in files:
-                return 1
-        print("parity: OK")
-    return 0
+        return measure(Path(tmp), args.app)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,14 @@
 at once with one line, before any test runs (never a skip). pytest.ini puts the repository and
 tests/ on sys.path."""
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness import device_problem
-from launch.local import CORPUS, TIKTOKEN_DIR, TINY, device_env, torchrun
+from launch.local import CORPUS, TIKTOKEN_DIR, TINY, device_env, python, torchrun
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 # Before CUDA starts in this process (it starts lazily): the tests that train in this process see
@@ -71,3 +72,12 @@ def long_ddp_reference(tmp_path_factory) -> Path:
     r = torchrun(2, ["main.py", *LONG_DDP_REFERENCE, f"trainer.run_dir={run}"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return run
+
+
+@pytest.fixture(scope="session")
+def eight_processes(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """benchmarks/mesh_2x2x2.py --app: ONE 8-process launch (its start-up alone is ~30 s on 2
+    cores) for the 3-D mesh's parity and two whole-app runs: on the mesh (DIR/app) and with the
+    default config (DIR/default). Returns the benchmark's output and DIR (with launch.out)."""
+    out = tmp_path_factory.mktemp("eight_processes")
+    return python(["benchmarks/mesh_2x2x2.py", "--app", "--keep", str(out)], timeout=420), out
