@@ -13,7 +13,9 @@ no biases, fused AdamW, clip 1.0), fp32 throughout:
 2. Whole steps of candidate changes, one at a time, measured in interleaved rounds (every variant
    once per round, the median over rounds), so machine noise hits all of them alike:
    eager; torch.compile of the model; + q/k/v as one matmul (the three weights concatenated at
-   run time); + clip and AdamW compiled into one graph; + the loss inside the compiled region.
+   run time); + clip and AdamW compiled into one graph; + the loss inside the compiled region;
+   each block compiled on its own instead of the whole model (as torchtitan compiles); the model
+   compiled with mode="max-autotune-no-cudagraphs" (inductor's C++ GEMM templates on a CPU).
 
 A change is worth taking when it beats `compile` by more than the round-to-round spread printed.
 The ratio that the tokens/s target compares, against nanoGPT's own eager `train.py`, is measured
@@ -35,7 +37,8 @@ from model import GPT, CausalSelfAttention, GPTConfig, lm_loss
 
 CONFIG = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)
 BATCH = 12
-VARIANTS = ("eager", "compile", "compile+fused_qkv", "compile+compiled_optimizer", "compile+loss_in_graph")
+VARIANTS = ("eager", "compile", "compile+fused_qkv", "compile+compiled_optimizer", "compile+loss_in_graph",
+            "compile_per_block", "compile_max_autotune")
 
 
 def best_ms(fn, repeats: int = 200) -> float:
@@ -92,7 +95,12 @@ def make_step(variant: str, data: torch.Tensor):
                 m.forward = fused_qkv_forward.__get__(m)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=True)
-    forward = torch.compile(model) if variant.startswith("compile") else model
+    if variant == "compile_per_block":
+        for block in model.blocks.values():
+            block.compile()  # in place: the block's forward compiled, the model around it eager
+    mode = "max-autotune-no-cudagraphs" if variant == "compile_max_autotune" else None
+    whole = variant.startswith("compile") and variant != "compile_per_block"
+    forward = torch.compile(model, mode=mode) if whole else model
     loss_of = (torch.compile(lambda x, y: lm_loss(model(x), y)) if "loss_in_graph" in variant
                else lambda x, y: lm_loss(forward(x), y))
 
