@@ -13,6 +13,8 @@ import re
 import signal
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -40,19 +42,24 @@ def run_and_kill_the_frozen_rank(args: list[str], frozen_rank: int, **env) -> tu
     torch 2.13's restart ignores --shutdown-timeout for that wait (_stop_workers calls _shutdown()
     with its 30 s default; https://github.com/pytorch/pytorch/pull/192815): the kill only saves the
     test those 30 s. Returns (exit code, stdout + stderr)."""
-    lines = []
+    lines: list[str] = []
     with multiprocess_lock():
         proc = subprocess.Popen(torchrun_argv(2, args, RESTART), cwd=REPO, env=child_env(**env),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
         try:
-            for line in proc.stdout:
-                lines.append(line)
-                if line.startswith("hang: ") and len(hang_lines("".join(lines))) == 1:
-                    os.kill(rank_pid(proc.pid, frozen_rank), signal.SIGKILL)
-            return proc.wait(timeout=60), "".join(lines)
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and not hang_lines("".join(lines)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if proc.poll() is None and hang_lines("".join(lines)):
+                os.kill(rank_pid(proc.pid, frozen_rank), signal.SIGKILL)
+            rc = proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
+        reader.join(timeout=10)
+    return rc, "".join(lines)
 
 
 def test_the_line_names_who_did_not_arrive_and_where_the_others_wait(tmp_path):

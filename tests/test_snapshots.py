@@ -20,7 +20,7 @@ from harness import app_in_process, metric_steps, model_tensors
 from launch.local import REPO, TINY, child_env, multiprocess_lock, python, torchrun_argv, worker_pids
 
 # The cosine schedule's length is fixed, so a run cut at step k and resumed with a larger
-# max_steps follows the same LR curve as the long_ddp_reference one.
+# max_steps follows the same LR curve as the uninterrupted one.
 NO_SAMPLE = ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
 
 
