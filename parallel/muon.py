@@ -14,9 +14,10 @@ held as a DTensor (FSDP2's rows, tensor parallelism's shards, both on a 2-D mesh
 whole (`full_tensor`: an all-gather of its momentum-updated gradient over the matrix's mesh),
 orthogonalised on every rank alike, and each rank keeps its own shard of the update: the same
 step as one process, for one all-gather of the matrix per step and every rank computing every
-matrix's iterations (the simple way: spreading the matrices over the ranks and gathering the
-updates would divide that work). ZeRO-1/2's flat slices of plain tensors are refused at
-configuration (parallel/options.py).
+matrix's iterations (the simple way: spreading the matrices over the ranks would divide that
+work only if the ranks computed their shares at the same time; one owner per matrix broadcasting
+its result before the next matrix measured 11% slower: docs/performance.md). ZeRO-1/2's flat
+slices of plain tensors are refused at configuration (parallel/options.py).
 
 `MuonWithAdamW` is one `torch.optim.Optimizer` (one `param_groups`, one `state`) so the LR
 scheduler, gradient clipping, DCP's optimizer state dict and snapshots treat it like AdamW: its
