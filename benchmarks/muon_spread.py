@@ -17,7 +17,9 @@ and GPT-2 small (12 blocks of 768):
 
 and prints, per model and step, what spreading would save (+) or cost (-) on every rank:
 sum over matrices of iterations x (1 - 1/n) - broadcast. A perfect balance of the matrices over
-the ranks is assumed, which favours spreading.
+the ranks, all computing their shares at the same time, is assumed, which favours spreading: one
+owner per matrix broadcasting before the next matrix measured slower than gathering
+(docs/performance.md).
 """
 from __future__ import annotations
 
