@@ -12,6 +12,8 @@ benchmarks share to run N ranks on this machine.
   interface, whichever checkout or pytest worker starts them), with a short process-group timeout
   and a wall-clock timeout so that a dead peer fails the launch instead of hanging it.
 - `benchmark_main`, the command line of a benchmark that relaunches itself under torchrun.
+- `worker_pids`, `worker_rank` and `rank_pid`: a launch's workers and their ranks, for the tests
+  that signal or pin one of them.
 """
 from __future__ import annotations
 
@@ -134,7 +136,7 @@ def worker_pids(parent_pid: int) -> list[int]:
     return pids
 
 
-def rank_of(pid: int) -> int | None:
+def worker_rank(pid: int) -> int | None:
     """The RANK a torchrun worker was started with (its environment), or None once it is gone."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -147,9 +149,9 @@ def rank_of(pid: int) -> int | None:
 def rank_pid(agent_pid: int, rank: int) -> int:
     """The PID of the worker of `rank` under torchrun's agent `agent_pid`."""
     for pid in worker_pids(agent_pid):
-        if rank_of(pid) == rank:
+        if worker_rank(pid) == rank:
             return pid
-    raise AssertionError(f"no worker of rank {rank} under {agent_pid}")
+    raise LookupError(f"no worker of rank {rank} under {agent_pid}")
 
 
 def torchrun_until(nproc: int, args: list[str], timeout_s: int, capture: bool = False,

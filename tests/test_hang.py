@@ -45,19 +45,20 @@ def run_and_kill_the_frozen_rank(args: list[str], frozen_rank: int, **env) -> tu
     lines: list[str] = []
     with multiprocess_lock():
         proc = subprocess.Popen(torchrun_argv(2, args, RESTART), cwd=REPO, env=child_env(**env),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
         reader.start()
         try:
             deadline = time.monotonic() + 120
             while proc.poll() is None and not hang_lines("".join(lines)) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if proc.poll() is None and hang_lines("".join(lines)):
+            assert hang_lines("".join(lines)), "no hang line within 120 s:\n" + "".join(lines)[-4000:]
+            if proc.poll() is None:
                 os.kill(rank_pid(proc.pid, frozen_rank), signal.SIGKILL)
             rc = proc.wait(timeout=120)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # torchrun and its workers, the stopped one included
+                os.killpg(proc.pid, signal.SIGKILL)
         reader.join(timeout=10)
     return rc, "".join(lines)
 

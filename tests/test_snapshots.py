@@ -2,6 +2,7 @@
 random moments and during a snapshot write, damaged snapshots, keep policy, resume rules."""
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -169,7 +170,6 @@ def launch_and_kill(run_dir: Path, kills: int, extra: list[str] = (), env: dict 
                     break
                 victim = rnd.choice(pids)
                 try:
-                    import os
                     os.kill(victim, signal.SIGKILL)
                 except ProcessLookupError:
                     pass

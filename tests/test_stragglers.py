@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from launch.local import REPO, TINY, child_env, multiprocess_lock, rank_of, torchrun_argv, worker_pids
+from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun_argv, worker_pids, worker_rank
 from observe.stragglers import SLOW_WINDOWS, median_without, thread_clock_ns
 
 BUSY = 4  # busy processes on rank 1's core: a strong slowdown, clear of other load on the machine
@@ -25,7 +25,7 @@ def pin_workers(agent_pid: int) -> None:
     """Pin rank r to core r as soon as torchrun has started both workers."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        ranks = {rank_of(p): p for p in worker_pids(agent_pid)}
+        ranks = {worker_rank(p): p for p in worker_pids(agent_pid)}
         if {0, 1} <= ranks.keys():
             for rank in (0, 1):
                 os.sched_setaffinity(ranks[rank], {rank})
