@@ -6,19 +6,25 @@ machine-wide lock, the tiny config, the device switch; shared with benchmarks/) 
   with fewer before any test runs);
 - training in this process through main.main (`app_in_process`);
 - reading what a run folder holds: metrics rows, logged steps, model.pt's tensors;
-- the skeleton of every torchrun worker script (tests/*_worker.py): `run_worker`.
+- the skeleton of every torchrun worker script (tests/*_worker.py): `run_worker`;
+- a launch the fault tests watch and signal while it runs: `StreamedLaunch`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
+import subprocess
+import threading
+import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from launch.local import DEVICE, DEVICE_ENV
+from launch.local import DEVICE, DEVICE_ENV, REPO, child_env, multiprocess_lock
 
 # The widest launches of the suite have 8 ranks (test_default_config, the 2x2x2 mesh of
 # test_mesh_2x2x2); NCCL refuses two ranks on one GPU, so a cuda session needs 8 GPUs.
@@ -117,3 +123,55 @@ def run_apps(apps: list[str], codes_file: Path) -> None:
         dist.barrier()
     if dist.get_rank() == 0:
         codes_file.write_text(json.dumps(codes))
+
+
+class StreamedLaunch:
+    """`cmd` (torchrun or `python main.py`) run in a session of its own, as a shell runs a job,
+    while this process holds the machine-wide lock; its stdout and stderr are read line by line on a
+    thread into `lines`, so a test can act on what it prints while it runs. On leaving the `with`
+    block whatever of the session still runs (torchrun, its workers, a stopped one) is SIGKILLed.
+
+        with StreamedLaunch(cmd, MINGPT_FAULT=...) as job:
+            assert job.wait_for(lambda: "step " in job.output()), job.output()
+            os.kill(...)
+            rc = job.proc.wait(timeout=200)
+        out = job.output()
+    """
+
+    def __init__(self, cmd: list[str], **env):
+        self.cmd, self.env, self.lines = cmd, env, []
+
+    def __enter__(self) -> "StreamedLaunch":
+        self._held = ExitStack()
+        self._held.enter_context(multiprocess_lock())
+        try:
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=child_env(**self.env), stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        except BaseException:
+            self._held.close()
+            raise
+        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")),
+                                        daemon=True)
+        self._reader.start()
+        return self
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float = 120) -> bool:
+        """Poll until `ready()` holds (True), or the launch ended or `timeout` passed (False)."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            self._reader.join(timeout=10)
+        finally:
+            self._held.close()  # the lock

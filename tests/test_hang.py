@@ -12,15 +12,13 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 from conftest import DDP_REFERENCE
-from launch.local import REPO, child_env, multiprocess_lock, rank_pid, torchrun, torchrun_argv
+from harness import StreamedLaunch
+from launch.local import rank_pid, torchrun, torchrun_argv
 from launch.watchdog import HANG_EXIT, RankReport, compact_ranks, hang_line
 
 COMMON = DDP_REFERENCE  # trainer.hang_timeout_s=3
@@ -42,25 +40,13 @@ def run_and_kill_the_frozen_rank(args: list[str], frozen_rank: int, **env) -> tu
     torch 2.13's restart ignores --shutdown-timeout for that wait (_stop_workers calls _shutdown()
     with its 30 s default; https://github.com/pytorch/pytorch/pull/192815): the kill only saves the
     test those 30 s. Returns (exit code, stdout + stderr)."""
-    lines: list[str] = []
-    with multiprocess_lock():
-        proc = subprocess.Popen(torchrun_argv(2, args, RESTART), cwd=REPO, env=child_env(**env),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-        reader.start()
-        try:
-            deadline = time.monotonic() + 120
-            while proc.poll() is None and not hang_lines("".join(lines)) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert hang_lines("".join(lines)), "no hang line within 120 s:\n" + "".join(lines)[-4000:]
-            if proc.poll() is None:
-                os.kill(rank_pid(proc.pid, frozen_rank), signal.SIGKILL)
-            rc = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:  # torchrun and its workers, the stopped one included
-                os.killpg(proc.pid, signal.SIGKILL)
-        reader.join(timeout=10)
-    return rc, "".join(lines)
+    with StreamedLaunch(torchrun_argv(2, args, RESTART), **env) as job:
+        named = job.wait_for(lambda: bool(hang_lines(job.output())))
+        assert named, "no hang line within 120 s:\n" + job.output()[-4000:]
+        if job.proc.poll() is None:
+            os.kill(rank_pid(job.proc.pid, frozen_rank), signal.SIGKILL)
+        rc = job.proc.wait(timeout=120)
+    return rc, job.output()
 
 
 def test_the_line_names_who_did_not_arrive_and_where_the_others_wait(tmp_path):

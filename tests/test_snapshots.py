@@ -6,8 +6,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -17,8 +15,8 @@ import torch
 import export as export_cmd
 import sample as sample_cmd
 from conftest import LONG_DDP_REFERENCE
-from harness import app_in_process, metric_steps, model_tensors
-from launch.local import REPO, TINY, child_env, multiprocess_lock, python, torchrun_argv, worker_pids
+from harness import StreamedLaunch, app_in_process, metric_steps, model_tensors
+from launch.local import TINY, python, torchrun_argv, worker_pids
 
 # The cosine schedule's length is fixed, so a run cut at step k and resumed with a larger
 # max_steps follows the same LR curve as the uninterrupted one.
@@ -148,38 +146,23 @@ def launch_and_kill(run_dir: Path, kills: int, extra: list[str] = (), env: dict 
     rnd = random.Random(seed)
     cmd = torchrun_argv(2, ["main.py", *ELASTIC, f"trainer.run_dir={run_dir}", *extra],
                         [f"--max-restarts={max_restarts}", "--monitor-interval=0.2"])
-    lines: list[str] = []
-    with multiprocess_lock():
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-        reader.start()
-        try:
-            for k in range(kills):
-                # wait until this attempt trains (a progress line after the last start-up line)
-                deadline = time.time() + 120
-                seen = len(lines)
-                while time.time() < deadline and proc.poll() is None:
-                    new = lines[seen:]
-                    if any(l.startswith("step ") for l in new):
-                        break
-                    time.sleep(0.05)
-                time.sleep(rnd.uniform(0.0, 1.5))  # a random moment: mid-step, mid-save, mid-eval
-                pids = worker_pids(proc.pid)
-                if proc.poll() is not None or not pids:
-                    break
-                victim = rnd.choice(pids)
-                try:
-                    os.kill(victim, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                lines.append(f"[test] killed worker pid {victim} (kill {k + 1}/{kills})\n")
-            rc = proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        reader.join(timeout=10)
-    return rc, "".join(lines)
+    with StreamedLaunch(cmd, **(env or {})) as job:
+        for k in range(kills):
+            # wait until this attempt trains (a progress line after the last start-up line)
+            seen = len(job.lines)
+            job.wait_for(lambda: any(l.startswith("step ") for l in job.lines[seen:]))
+            time.sleep(rnd.uniform(0.0, 1.5))  # a random moment: mid-step, mid-save, mid-eval
+            pids = worker_pids(job.proc.pid)
+            if job.proc.poll() is not None or not pids:
+                break
+            victim = rnd.choice(pids)
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            job.lines.append(f"[test] killed worker pid {victim} (kill {k + 1}/{kills})\n")
+        rc = job.proc.wait(timeout=300)
+    return rc, job.output()
 
 
 def test_sigkill_at_random_moments_restarts_and_matches(long_ddp_reference, tmp_path):

@@ -12,8 +12,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ import torch
 import main as app
 from config import load_config
 from conftest import LONG_DDP_REFERENCE
-from harness import metric_steps, model_tensors
+from harness import StreamedLaunch, metric_steps, model_tensors
 from launch.build import build_trainer
 from launch.local import REPO, TINY, child_env, multiprocess_lock, rank_pid, torchrun, torchrun_argv, worker_pids
 from launch.stopping import torchrun_command
@@ -46,33 +44,20 @@ def launch(cmd: list[str], signal_to: str | None, when: str | Path = "training",
     processes import torch (when="start-up") or once the file `when` exists: 'group' = SIGINT to the whole group, as a terminal's
     Ctrl-C does; 'agent' = SIGTERM to torchrun only, as SLURM or Kubernetes may send it; 'rank1' =
     SIGTERM to that torchrun worker only. Returns (exit code, stdout + stderr)."""
-    lines: list[str] = []
-    with multiprocess_lock():
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-        reader.start()
-        try:
-            if signal_to is not None:
-                deadline = time.time() + 120
-                while time.time() < deadline and proc.poll() is None and not (
-                        any(l.startswith("step ") for l in lines) if when == "training"
-                        else importing_torch(proc.pid, cmd[1] == "-m") if when == "start-up"
-                        else Path(when).exists()):
-                    time.sleep(0.02)
-                assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
-                if signal_to == "group":
-                    os.killpg(proc.pid, signal.SIGINT)
-                elif signal_to == "agent":
-                    os.kill(proc.pid, signal.SIGTERM)
-                else:
-                    os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
-            rc = proc.wait(timeout=200)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        reader.join(timeout=10)
-    return rc, "".join(lines)
+    with StreamedLaunch(cmd, **env) as job:
+        if signal_to is not None:
+            ready = job.wait_for(lambda: any(l.startswith("step ") for l in job.lines) if when == "training"
+                                 else importing_torch(job.proc.pid, cmd[1] == "-m") if when == "start-up"
+                                 else Path(when).exists())
+            assert ready and job.proc.poll() is None, job.output()[-3000:]
+            if signal_to == "group":
+                os.killpg(job.proc.pid, signal.SIGINT)
+            elif signal_to == "agent":
+                os.kill(job.proc.pid, signal.SIGTERM)
+            else:
+                os.kill(rank_pid(job.proc.pid, 1), signal.SIGTERM)
+        rc = job.proc.wait(timeout=200)
+    return rc, job.output()
 
 
 def importing_torch(pid: int, torchrun: bool) -> bool:
