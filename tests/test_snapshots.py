@@ -136,15 +136,13 @@ def test_export_and_sample_from_snapshot(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- elastic restarts
 
-ELASTIC = LONG_DDP_REFERENCE
-
 
 def launch_and_kill(run_dir: Path, kills: int, extra: list[str] = (), env: dict | None = None,
                     max_restarts: int = 5, seed: int = 0) -> tuple[int, str]:
     """torchrun --max-restarts with 2 ddp workers; SIGKILL a random worker `kills` times, each at a
     random moment once that attempt is training. Returns (exit code, output)."""
     rnd = random.Random(seed)
-    cmd = torchrun_argv(2, ["main.py", *ELASTIC, f"trainer.run_dir={run_dir}", *extra],
+    cmd = torchrun_argv(2, ["main.py", *LONG_DDP_REFERENCE, f"trainer.run_dir={run_dir}", *extra],
                         [f"--max-restarts={max_restarts}", "--monitor-interval=0.2"])
     with StreamedLaunch(cmd, **(env or {})) as job:
         for k in range(kills):
