@@ -86,6 +86,7 @@ class TrainerConfig:
     profile: str = ""  # START:STEPS: a torch profiler trace of those steps per rank in run_dir/profile/ ("" = none)
     async_save: bool = False  # write snapshots in the background: the loop waits only for the copy to CPU memory
     hang_timeout_s: float = 300.0  # no step finished for this long: name the stuck rank, exit 4 (0 = off)
+    deterministic: bool = False  # deterministic kernels (bit-exact resume on GPU): parallel/env.py deterministic_mode
 
 
 @dataclass

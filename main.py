@@ -79,7 +79,7 @@ def parse_args(argv):
                            "--device-memory minus this (default: a tenth of it, at most 3GB)")
     plan.add_argument("--hardware", default=None, metavar="NAME|FILE",
                       help="predict step times for this hardware: local (this machine, measured once), "
-                           "a100-80gb, h100-sxm (costs/hardware/*.yaml) or a YAML file (default: local)")
+                           "a100-80gb, h100-sxm, h200-sxm (costs/hardware/*.yaml) or a YAML file (default: local)")
     plan.add_argument("--plan-json", default=None, metavar="PATH", help="also write the plan as JSON to PATH")
     plan.add_argument("--explain", action="store_true", help="with --plan: every formula and its source")
     ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")

@@ -36,7 +36,7 @@ from observe.health import FiniteCheck
 from observe.perf import Peak, set_fp32_matmul_mode
 from observe.profiling import StepProfiler
 from observe.replicas import check_replicas
-from observe.step_metrics import RunSummary, StepWindow, memory_row
+from observe.step_metrics import CudaPeaks, RunSummary, StepWindow, memory_row
 from observe.stragglers import StragglerWatch
 from observe.tracker import NullTracker, Progress, RunTracker
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
@@ -76,16 +76,19 @@ class Trainer:
         self.tracker = NullTracker()
         self.tracker_run_id: str | None = None
         self.snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, strategy.env.rank,
-                                         strategy.env.distributed, background=cfg.trainer.async_save)
+                                         strategy.env.distributed, background=cfg.trainer.async_save,
+                                         pinned=strategy.device.type == "cuda")
         set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
-        self.peak = Peak(strategy.device, cfg.trainer.precision, cfg.trainer.peak_flops, strategy.is_tracker)
+        self.peak = Peak(strategy.device, strategy.compute_precision, cfg.trainer.peak_flops, strategy.is_tracker)
         self.peak_label = self._tracker_peak_label()
         self.held_bytes: dict[str, int] = {}  # Strategy.resident_bytes, read on log steps
+        self.cuda_peaks = CudaPeaks()  # the allocator's peak per log window (reset after each) and over the run
         self.last_val_loss: float | None = None
         self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
         self.resumed_from: Path | None = None  # the snapshot resume() loaded
         self.stop_request = StopRequest()
         self.schedule_note: str | None = None  # set by resume() when the LR schedule runs differently
+        self.rng_note: str | None = None  # set by resume() when the snapshot lacks some generator's state
         self._snapshot_decay: int | None = None  # the cosine length the resumed snapshot was trained with
         self.finite = FiniteCheck(strategy)
         env = strategy.env  # launch/app.py runs resume and train() inside self.watchdog.watching(step)
@@ -109,7 +112,7 @@ class Trainer:
 
     def state_tensors(self) -> dict:
         state = self.strategy.state_dict(self.optimizer)
-        state["rng"] = {self._rng_key(dev): t for dev, t in rng_state().items()}
+        state["rng"] = {self._rng_key(dev): t for dev, t in rng_state(self.strategy.rng_gpus).items()}
         return state
 
     def data_stream(self) -> dict:
@@ -166,9 +169,14 @@ class Trainer:
         # in another layout (or world size) that position may hold another role (a dp=2 rank 1
         # becomes a tp=2 peer of rank 0), so the streams are then derived from (seed, step, dp rank).
         stored = self.snapshots.stored_keys(path)
-        if meta.mesh != self.layout() or meta.world_size != self.strategy.env.world_size \
-                or not all(f"rng.{k}" in stored for k in tensors["rng"]):
-            tensors.pop("rng")
+        same_layout = meta.mesh == self.layout() and meta.world_size == self.strategy.env.world_size
+        if not same_layout or not all(f"rng.{k}" in stored for k in tensors["rng"]):
+            keys = sorted(tensors.pop("rng"))
+            if same_layout:  # same layout, other generators: e.g. nn.DataParallel on another GPU count
+                self.rng_note = (f"note: {path} holds no random-number state for every generator of this launch "
+                                 f"({', '.join(keys)}); dropout's streams "
+                                 f"restart from trainer.seed and the step, so this run's masks differ from an "
+                                 f"uninterrupted run's")
         self.snapshots.load(path, tensors, record)  # the record rank 0 validated and broadcast
         self.strategy.load_state_dict(tensors, self.optimizer)
         if self.scaler is not None and meta.scaler:
@@ -181,7 +189,8 @@ class Trainer:
             group.update(mine)
         self.scheduler = LambdaLR(self.optimizer, self._lr_factor, last_epoch=self.step - 1)
         if "rng" in tensors:
-            set_rng_state({dev: tensors["rng"][self._rng_key(dev)] for dev in rng_state()})
+            gpus = self.strategy.rng_gpus
+            set_rng_state({dev: tensors["rng"][self._rng_key(dev)] for dev in rng_state(gpus)}, gpus)
         else:
             seed_rng(self.cfg.trainer.seed, self.step, self.strategy.dp_rank)
         self.tracker_run_id = meta.tracker_run_id
@@ -235,6 +244,8 @@ class Trainer:
     def forward_backward(self) -> torch.Tensor:
         """Gradients of the global batch of self.step (this rank's share); returns the rank's loss."""
         x, y = self.data.train_batch(self.step, self.batching)
+        if self.strategy.device.type == "cuda":  # page-locked: the copies to the GPU run asynchronously (non_blocking)
+            x, y = x.pin_memory(), y.pin_memory()
         scale = self.scaler.scale if self.scaler is not None else (lambda l: l)
         return self.strategy.forward_backward(x, y, scale)
 
@@ -341,7 +352,7 @@ class Trainer:
         tokens_per_sec = self.cfg.trainer.batch_size * self.cfg.model.block_size / seconds
         return dict(loss=float(s.reduce_mean(loss)), lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
                     mfu=self.peak.mfu(self.model_cost.flops_per_token, tokens_per_sec, s.num_devices),
-                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes), **self.stragglers.row(self.step),
+                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes, self.cuda_peaks), **self.stragglers.row(self.step),
                     **self.snapshots.pop_timing())
 
     # ------------------------------------------------------------------ outputs

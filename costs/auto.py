@@ -10,13 +10,15 @@ config.yaml records: a later launch of `parallel.strategy=auto` on the same worl
 same run folder keeps it (the snapshot was written with it); on another world size it chooses
 again and resume reshards the snapshot as for any change of layout.
 
-Hardware: CUDA devices whose name matches a shipped description use it (A100, H100; others the
-A100's), the CPU `local` (cached calibration; a launch never starts calibration processes).
+Hardware: CUDA devices whose name matches a shipped description use it (A100, H100, H200; others the
+A100's, with a warning), the CPU `local` (cached calibration; a launch never starts calibration processes).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,10 +39,27 @@ SCHEDULES = ({"pp_schedule": "1f1b"}, {"pp_schedule": "gpipe"},
 MICROBATCHES = (0, 4, 8, 16)  # parallel.microbatches under pp (0: trainer.micro_batch_size's, else pp)
 
 
+# The shipped hardware file of a GPU, by its name (torch.cuda.get_device_name), first match wins.
+GPU_HARDWARE = ((r"\bG?H200\b", "h200-sxm"), (r"\bG?H100\b", "h100-sxm"), (r"\bA100\b", "a100-80gb"))
+FALLBACK_GPU_HARDWARE = "a100-80gb"
+
+
+def hardware_file_of(gpu_name: str) -> str | None:
+    """The shipped hardware file for a GPU's name, or None when none describes it."""
+    return next((spec for pattern, spec in GPU_HARDWARE if re.search(pattern, gpu_name)), None)
+
+
 def hardware_for(env: DistEnv, precision: str) -> Hardware:
     if env.device.type == "cuda":
         name = torch.cuda.get_device_name(env.device)
-        return load_hardware("h100-sxm" if "H100" in name else "a100-80gb", precision)
+        spec = hardware_file_of(name)
+        if spec is None:
+            spec = FALLBACK_GPU_HARDWARE
+            if env.rank == 0:
+                warnings.warn(f"no hardware file describes the {name}: parallel.strategy=auto plans it as "
+                              f"{spec} (costs/hardware/{spec}.yaml); --plan --hardware FILE describes another GPU",
+                              stacklevel=2)
+        return load_hardware(spec, precision)
     return load_hardware("local", precision, calibrate=False)
 
 

@@ -122,6 +122,8 @@ def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer
             print(line, flush=True)
         if trainer.schedule_note:  # a resume whose LR schedule changed: says how, after the view
             print(trainer.schedule_note, flush=True)
+        if trainer.rng_note:  # a resume that restarts dropout's random streams
+            print(trainer.rng_note, flush=True)
         for note in schedule_notes(cfg, trainer.max_steps):
             print(note, flush=True)
         if env.device.type == "cpu" and (crowded := cpu_devices(env.world_size, local_world_size(env.world_size))[1]):

@@ -2,16 +2,18 @@
 
 A dead worker ends the job at once (torchrun sees it). A rank that stops without dying (a stuck
 driver, a deadlock, a filesystem that never answers, a SIGSTOP) leaves every other rank waiting in
-its next collective until the process-group timeout (600 s here, 10-30 min on NCCL), and nothing
-says which rank it is. Here every rank runs a thread that watches the step loop's heartbeat
+its next collective until the process-group timeout (600 s, MINGPT_PG_TIMEOUT; every group of the
+launch gets it, parallel/env.py), and nothing says which rank it is. Here every rank runs a thread that watches the step loop's heartbeat
 (`beat`: one assignment per step). When no step finishes within `trainer.hang_timeout_s` (times
 LONG_PHASE_FACTOR for start-up up to the first step, for the first steps, which may compile, for
-evaluation and for snapshot saves;
-never less than SLOW_STEP_FACTOR x the slowest step so far), the thread of each live rank:
+evaluation and for snapshot saves; never less than SLOW_STEP_FACTOR x the slowest step so far; never
+more than BUDGET_SHARE of the process-group timeout, which on NCCL aborts every rank without a
+word), the thread of each live rank:
 
 1. writes its dumps under <run_dir>/hang/attempt<K>/: the Python stack of every thread
-   (stacks_rank_<R>.txt) and torch's flight recorder (fr_trace_rank_<R>, read by
-   `python -m torch.distributed.flight_recorder.fr_trace <folder> --prefix fr_trace_rank_`);
+   (stacks_rank_<R>.txt) and torch's flight recorders: gloo's (fr_trace_rank_<R>) and on a GPU
+   NCCL's (nccl_trace_rank_<R>), each read by
+   `python -m torch.distributed.flight_recorder.fr_trace <folder> --prefix fr_trace_rank_`;
 2. publishes a short report in the rendezvous store (a connection of its own: the training
    thread may hold the process group's): its step, what it waits in, where, and the last
    collective sequence number it issued on each process group;
@@ -47,7 +49,7 @@ from pathlib import Path
 import torch
 
 from launch.errors import write_error_file
-from parallel.env import restart_count, side_store
+from parallel.env import pg_timeout, restart_count, side_store
 
 HANG_EXIT = 4
 LONG_PHASE_FACTOR = 4  # first steps (compile), evaluation, snapshot saves
@@ -55,6 +57,7 @@ SLOW_STEP_FACTOR = 10  # a step this many times the slowest one so far is not ye
 FIRST_STEPS = 2  # steps of each launch that may compile (a launch's step count, not the step number)
 REPO = Path(__file__).resolve().parent.parent
 STORE_TIMEOUT_S = 10.0
+BUDGET_SHARE = 0.8  # of the process-group timeout: the watchdog's longest wait (gathering and exit fit in the rest)
 
 
 def gather_seconds(timeout_s: float) -> float:
@@ -91,12 +94,30 @@ class RankReport:
         return RankReport(**json.loads(text))
 
 
-def flight_records() -> list[dict]:
-    """The flight recorder's entries of this process (empty when it is off)."""
+def _recorder_dump(name: str, *args) -> bytes | str | None:
+    """torch._C._distributed_c10d.<name>(*args), or None where this build has none (the NCCL ones are
+    absent from CPU builds) or it fails."""
+    fn = getattr(torch._C._distributed_c10d, name, None)
+    if fn is None:
+        return None
     try:
-        return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)).get("entries", [])
-    except (RuntimeError, AttributeError, ValueError):
-        return []
+        return fn(*args)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+def flight_records() -> list[dict]:
+    """The flight recorder's entries of this process, every backend's (empty when it is off). torch
+    keeps one recorder per kind of event: gloo's (CPU) collectives in one, NCCL's (CUDA) in another,
+    dumped by their own functions; a GPU run has both (the control group is gloo)."""
+    entries = []
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        text = _recorder_dump(name, True, False)  # (include collectives, only active)
+        try:
+            entries += json.loads(text).get("entries", []) if text else []
+        except ValueError:
+            continue
+    return entries
 
 
 def _group_name(entry: dict) -> str:
@@ -186,6 +207,11 @@ class HangWatchdog:
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
         self.local_rank, self.distributed, self.run_dir = local_rank, distributed, run_dir
         self.host = socket.gethostname()
+        self.limit_s = BUDGET_SHARE * pg_timeout().total_seconds()
+        if timeout_s > self.limit_s and rank == 0:
+            print(f"warning: trainer.hang_timeout_s={timeout_s:g} is above {BUDGET_SHARE:g} x the process-group "
+                  f"timeout ({pg_timeout().total_seconds():g} s, MINGPT_PG_TIMEOUT), where a stuck collective "
+                  f"ends the job without a line: the watchdog fires after {self.limit_s:g} s", file=sys.stderr, flush=True)
         self._beat = Beat(0, "first steps", time.monotonic())
         self._beats = 0  # steps finished since watching began
         self._slowest = 0.0
@@ -244,8 +270,11 @@ class HangWatchdog:
             return None
 
     def budget(self, beat: Beat) -> float:
+        """Seconds without a step before the watchdog fires; never past BUDGET_SHARE of the process
+        group's timeout, so that it fires (and names the stuck rank) before a collective times out:
+        on NCCL that timeout aborts every rank with no line."""
         factor = 1 if beat.phase == "train" else LONG_PHASE_FACTOR
-        return max(factor * self.timeout_s, SLOW_STEP_FACTOR * self._slowest)
+        return min(max(factor * self.timeout_s, SLOW_STEP_FACTOR * self._slowest), self.limit_s)
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
@@ -277,7 +306,10 @@ class HangWatchdog:
             stacks = "\n".join(f"--- thread {ident}{' (training)' if ident == self._trainer_thread else ''}\n"
                                + "".join(traceback.format_stack(f)) for ident, f in sys._current_frames().items())
             (dumps / f"stacks_rank_{self.rank}.txt").write_text(stacks, encoding="utf-8")
-            (dumps / f"fr_trace_rank_{self.rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace(True, False))
+            for name, prefix in (("_dump_fr_trace", "fr_trace_rank_"), ("_dump_nccl_trace", "nccl_trace_rank_")):
+                dump = _recorder_dump(name, True, True, False)  # (collectives, stack traces, only active)
+                if dump:
+                    (dumps / f"{prefix}{self.rank}").write_bytes(dump)
         except (OSError, RuntimeError) as e:  # a full or hung disk must not keep the line from being printed
             print(f"warning: hang dumps not written to {dumps}: {e}", file=sys.stderr, flush=True)
 

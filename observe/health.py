@@ -38,17 +38,28 @@ class FiniteCheck:
         self.bad_loss_step.masked_fill_(~torch.isfinite(loss.detach()) & (self.bad_loss_step == _NEVER), step)
 
     @torch.no_grad()
+    def flags(self, step: int, params: bool) -> torch.Tensor:
+        """This rank's [first bad loss step] (+ [step, or _NEVER when every parameter is finite] with
+        `params`), on the training device. Parameters may live on another device than the loss (FSDP's
+        CPU offload keeps them in host memory on a GPU run): each device's verdict is moved over."""
+        bad = [self.bad_loss_step]
+        if params:
+            on: dict[torch.device, list[torch.Tensor]] = {}
+            for p in {id(p): p for part in self.strategy.unwrapped() for p in part.parameters()}.values():
+                on.setdefault(local_tensor(p).device, []).append(local_tensor(p))
+            finite = torch.ones((), dtype=torch.bool, device=self.bad_loss_step.device)
+            for tensors in on.values():
+                finite &= torch.stack([t.isfinite().all() for t in tensors]).all().to(finite.device)
+            bad.append(torch.where(finite, _NEVER, step))
+        return torch.stack(bad)
+
+    @torch.no_grad()
     def check(self, step: int, last_snapshot: Path | None, params: bool) -> None:
         """Collective. Raises NonFiniteError on every rank if any rank saw a non-finite loss since
         the run's start (all ranks agree on the first such step), or with `params`, if any
         rank's parameters are not finite now. `last_snapshot`: the resume point the error names."""
         s = self.strategy
-        bad = [self.bad_loss_step]
-        if params:
-            local = [local_tensor(p) for p in {id(p): p for part in s.unwrapped() for p in part.parameters()}.values()]
-            finite = torch.stack([p.isfinite().all() for p in local]).all() if local else torch.tensor(True)
-            bad.append(torch.where(finite, _NEVER, step))
-        flags = torch.stack(bad)
+        flags = self.flags(step, params)
         if s.env.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         loss_step, param_step = (flags.tolist() + [_NEVER])[:2]

@@ -97,7 +97,8 @@ def check_replicas(strategy: Strategy, optimizer: torch.optim.Optimizer, step: i
     for dim, tensors in replicated_sets(strategy, optimizer).items():
         group = strategy.mesh[dim].get_group()
         names = list(tensors)
-        mine = torch.tensor([fingerprint(tensors[n]) for n in names], dtype=torch.int64)
+        # on the training device: a mesh sub-group of a GPU run may have NCCL alone (no CPU tensors)
+        mine = torch.tensor([fingerprint(tensors[n]) for n in names], dtype=torch.int64, device=strategy.device)
         both = torch.cat([mine, -mine])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         differ = (both[:len(names)] != -both[len(names):]).nonzero().flatten().tolist()

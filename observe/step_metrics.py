@@ -22,14 +22,32 @@ def rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def memory_row(strategy: Strategy, held: dict[str, int]) -> dict[str, float]:
-    """Collective over all ranks. MB (10^6 bytes), max over ranks: the process's peak RSS, the tensor bytes
-    the strategy holds (`held`: Strategy.resident_bytes; params, grads, optimizer state:
-    comparable across strategies), and on CUDA the allocator's peak."""
+class CudaPeaks:
+    """The CUDA allocator's peak per log window and over the run. torch keeps one peak since the
+    process started (or since its last reset), which set-up and the first steps dominate: each
+    window's figure is read, then the counter is reset, so a window reports the steps it holds."""
+
+    def __init__(self):
+        self.run_peak = 0
+
+    def window(self, device: torch.device) -> tuple[int, int]:
+        """(bytes allocated at most since the last call, at most since the process started)."""
+        peak = torch.cuda.max_memory_allocated(device)
+        self.run_peak = max(self.run_peak, peak)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak, self.run_peak
+
+
+def memory_row(strategy: Strategy, held: dict[str, int], cuda_peaks: CudaPeaks | None = None) -> dict[str, float]:
+    """Collective over all ranks. MB (10^6 bytes), max over ranks: the process's peak RSS since it
+    started (`rss_peak_mb`: host memory, the whole process's, never reset), the tensor bytes the
+    strategy holds (`held`: Strategy.resident_bytes; params, grads, optimizer state: comparable
+    across strategies), and on CUDA the allocator's peak over the steps since the last row
+    (`cuda_peak_allocated_mb`) and over the whole process (`cuda_run_peak_allocated_mb`)."""
     row = {"rss_peak_mb": rss_peak_bytes(), "held_params_mb": held.get("params", 0),
            "held_grads_mb": held.get("grads", 0), "held_optim_mb": held.get("optimizer", 0)}
     if strategy.device.type == "cuda":
-        row["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated(strategy.device)
+        row["cuda_peak_allocated_mb"], row["cuda_run_peak_allocated_mb"] = (cuda_peaks or CudaPeaks()).window(strategy.device)
     values = [float(v) for v in row.values()]  # bytes: exact in float64 up to 8 PiB
     if strategy.env.distributed:
         t = torch.tensor(values, dtype=torch.float64, device=strategy.device)

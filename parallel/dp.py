@@ -49,6 +49,11 @@ class DataParallelStrategy(Strategy):
         return list(range(torch.cuda.device_count())) if self.device.type == "cuda" else []
 
     @property
+    def rng_gpus(self) -> list[int]:
+        """nn.DataParallel's replicas draw their dropout masks from the generator of the GPU each runs on."""
+        return self.gpu_ids if len(self.gpu_ids) >= 2 else super().rng_gpus
+
+    @property
     def num_devices(self) -> int:
         """Every GPU that nn.DataParallel splits the batch over (it is used from 2 GPUs on)."""
         ids = self.gpu_ids

@@ -10,6 +10,7 @@ import datetime
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,11 @@ import torch.distributed as dist
 from config import Config, UsageError
 
 FLIGHT_RECORDER_ENTRIES = 2000  # the newest collectives each rank keeps (a few steps of FSDP's)
+DEFAULT_PG_TIMEOUT_S = 600.0  # every process group's; MINGPT_PG_TIMEOUT overrides it
+# NCCL's own dump when one of its collectives times out: <run_dir>/NCCL_DUMP_PREFIX<rank>, read by
+# `python -m torch.distributed.flight_recorder.fr_trace <run_dir> --prefix nccl_trace_rank_`
+NCCL_DUMP_PREFIX = "nccl_trace_rank_"
+_PG_TIMEOUT = datetime.timedelta(seconds=DEFAULT_PG_TIMEOUT_S)
 
 
 def restart_count() -> int:
@@ -51,34 +57,85 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def pick_device(cfg: Config, local_rank: int, config_file: str | None = None) -> torch.device:
-    """`config_file`: the config that set trainer.device (None: an override did), named in the refusal."""
+def pick_device(cfg: Config, local_rank: int, config_file: str | None = None,
+                local_processes: int = 1) -> torch.device:
+    """`config_file`: the config that set trainer.device (None: an override did), named in the refusal.
+    `local_processes`: the processes of this launch on this node; on CUDA each needs a GPU of its own
+    (NCCL refuses two ranks on one GPU, with a traceback deep in the first collective), so more
+    processes than GPUs are refused here, on every rank alike, with one line."""
     want = cfg.trainer.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             who = f"{config_file} sets trainer.device: cuda (a GPU config)" if config_file else "trainer.device=cuda"
             raise UsageError(f"{who} but torch {torch.__version__} sees no CUDA device; run it on a GPU "
                              f"machine, or give the override trainer.device=cpu to run it on this CPU")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if local_processes > gpus:
+            raise UsageError(f"this node runs {local_processes} processes but torch sees {gpus} GPU"
+                             f"{'s' if gpus != 1 else ''}, and NCCL needs one GPU per process; launch "
+                             f"torchrun --nproc_per_node={gpus} (or check CUDA_VISIBLE_DEVICES)")
+        torch.cuda.set_device(local_rank)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def deterministic_mode(enabled: bool) -> None:
+    """trainer.deterministic: kernels that give the same bits on every run, so that a run resumed
+    from a snapshot ends bit-identical to an uninterrupted one on a GPU too (CPU kernels already do).
+    torch.use_deterministic_algorithms makes an op without a deterministic kernel raise instead of
+    running; cuBLAS needs a fixed workspace for it (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts:
+    so this runs before any CUDA work). https://pytorch.org/docs/stable/notes/randomness.html"""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+def pg_timeout() -> datetime.timedelta:
+    """The timeout of every process group of this launch (init_distributed's; MINGPT_PG_TIMEOUT)."""
+    return _PG_TIMEOUT
+
+
+def new_group(**kwargs):
+    """Collective. dist.new_group with this launch's timeout: a group made without one gets torch's
+    backend default (30 min on gloo, 10 on NCCL), not the default group's."""
+    return dist.new_group(timeout=pg_timeout(), **kwargs)
+
+
+def time_out_mesh(mesh) -> None:
+    """Give every process group of `mesh` (each dimension, and the flattened ones) this launch's
+    timeout: init_device_mesh's sub-groups get the backend's default (30 min on gloo), so a hang in
+    a sub-group would outwait the default group's timeout and the hang watchdog's budget."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # private, torch 2.11-2.13; torchtitan uses it
+    names = {*(mesh.mesh_dim_names or ()), *getattr(mesh, "_flatten_mapping", {})}  # the flattened: e.g. HSDP's "dp"
+    for name in sorted(names):
+        _set_pg_timeout(pg_timeout(), mesh.get_group(name))
 
 
 def init_distributed(cfg: Config, timeout_s: float | None = None, config_file: str | None = None) -> DistEnv:
     """Start the process group when launched by torchrun (gloo on CPU; on CUDA nccl, plus gloo
     for CPU tensors)."""
+    global _PG_TIMEOUT
+    deterministic_mode(cfg.trainer.deterministic)  # before any CUDA work
     if not launched_by_torchrun():
         return DistEnv(device=pick_device(cfg, 0, config_file))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(cfg, local_rank, config_file)
+    device = pick_device(cfg, local_rank, config_file, local_world_size(world))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MINGPT_PG_TIMEOUT", 600)))
+    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MINGPT_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S)))
+    _PG_TIMEOUT = timeout
     # On CUDA, CPU tensors get gloo in the same group: FSDP2's CPU offload keeps the sharded gradients
     # on the CPU and the gradient norm all-reduces them; NCCL alone refuses CPU tensors (pytorch#148532).
     group_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     if cfg.trainer.hang_timeout_s:  # the hang watchdog reads the flight recorder (launch/watchdog.py)
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+    if backend == "nccl":  # read when the NCCL group starts (the dump's file name: when it dumps)
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))  # its name before TORCH_FR_
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # a timed-out collective dumps NCCL's recorder ...
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",  # ... into the run folder, not the node's /tmp
+                              str(Path(cfg.trainer.run_dir).expanduser().absolute() / NCCL_DUMP_PREFIX))
     if not dist.is_initialized():
         dist.init_process_group(backend=group_backend, timeout=timeout, store=_rendezvous_store(rank, world, timeout),
                                 rank=rank, world_size=world,
@@ -153,7 +210,7 @@ def control_group():
     collectives never interleave with the training's own on the default group."""
     global _CONTROL_GROUP
     if _CONTROL_GROUP is None:
-        _CONTROL_GROUP = dist.new_group(backend="gloo")
+        _CONTROL_GROUP = new_group(backend="gloo")
     return _CONTROL_GROUP
 
 

@@ -70,7 +70,24 @@ class FSDPStrategy(Strategy):
         # Pinned host memory needs an accelerator; on a CPU-only machine pinning raises.
         return CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
 
+    @property
+    def wraps(self) -> bool:
+        """Does fully_shard run? With more than one dp rank; with one only for CPU offload (a model
+        kept in host memory and streamed to the GPU: the one-GPU use of FSDP), which needs a mesh."""
+        return self.dp_size > 1 or (self.cfg.parallel.cpu_offload and self.mesh is not None)
+
+    @property
+    def compute_precision(self) -> str:
+        """parallel.mixed_precision casts the parameters for forward and backward: under an fp32
+        trainer.precision the matmuls run in that dtype (MFU's peak is its)."""
+        p = self.cfg.parallel
+        if self.wraps and p.mixed_precision != "none" and self.cfg.trainer.precision == "fp32":
+            return p.mixed_precision
+        return self.cfg.trainer.precision
+
     def describe_dp(self) -> str:
+        if self.dp_size == 1 and self.wraps:
+            return f"{self.name} (one data-parallel rank: FSDP2 for the cpu offload only)"
         if self.dp_size == 1:
             return f"{self.name} (one data-parallel rank: nothing to shard)"
         p, lay = self.cfg.parallel, self.layout
@@ -88,7 +105,7 @@ class FSDPStrategy(Strategy):
     def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
         """fully_shard each transformer block of `module` (a GPT or one pipeline stage), then the
         module itself for what is left (embeddings, ln_f, head)."""
-        if self.dp_size == 1:
+        if not self.wraps:
             return module
         # HSDP: a 2-D mesh, (Replicate, Shard(0)): reduce-scatter within a replica group, then
         # all-reduce the shards across the groups.

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from config import Config, UsageError
+from parallel.env import time_out_mesh
 from parallel.options import Engine, world_size_problem
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -200,10 +201,12 @@ class Layout:
         if not distributed:
             return None
         if self.dp_replicate == 1:
-            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=HSDP_MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan does the same (private API, torch 2.13)
+            mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        else:
+            mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                    mesh_dim_names=HSDP_MESH_DIMS)
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan does the same (private API, torch 2.13)
+        time_out_mesh(mesh)
         return mesh
 
 

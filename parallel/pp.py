@@ -67,6 +67,7 @@ from config import Config
 from model import GPT, lm_loss
 from observe.perf import DTYPES
 from parallel.dtensor import grad_like_param, local_tensor
+from parallel.env import new_group
 from parallel.layout import Layout
 from parallel.step import StepRunner, autocast, loss_context
 
@@ -217,7 +218,7 @@ class Pipeline(StepRunner):
         for d in range(self.layout.dp):
             for t in range(self.layout.tp):
                 pair = [self.layout.rank_of(first, d, t), self.layout.rank_of(last, d, t)]
-                group = dist.new_group(pair)
+                group = new_group(ranks=pair)
                 if self.rank in pair:
                     mine = group
         return mine

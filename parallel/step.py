@@ -109,13 +109,11 @@ class StepRunner(ABC):
 class MicroBatchLoop(StepRunner):
     """The whole model on this rank; gradient accumulation over `microbatches` micro-batches."""
 
-    def __init__(self, gpt: nn.Module, wrapped: nn.Module, model: nn.Module, cfg: Config,
-                 device: torch.device, microbatches: int):
+    def __init__(self, gpt: nn.Module, wrapped: nn.Module, cfg: Config, device: torch.device, microbatches: int):
         """`gpt`: the GPT with its plain names; `wrapped`: it under the data-parallel engine
-        (DDP, FSDP2, nn.DataParallel or itself); `model`: what runs forward (`wrapped`, compiled
-        with trainer.compile)."""
+        (DDP, FSDP2, nn.DataParallel or itself): what runs forward."""
         super().__init__([gpt])
-        self.wrapped, self.model, self.cfg, self.device = wrapped, model, cfg, device
+        self.wrapped, self.model, self.cfg, self.device = wrapped, wrapped, cfg, device
         self.microbatches = microbatches
 
     def micro_batches(self, x: torch.Tensor, y: torch.Tensor):

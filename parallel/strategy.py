@@ -98,6 +98,18 @@ class Strategy:
         return "none (one process, no parallelism)" if self.env.world_size == 1 else self.name
 
     @property
+    def rng_gpus(self) -> list[int]:
+        """The CUDA devices whose generators this rank draws from (dropout), each kept in a snapshot:
+        this rank's own GPU, or none (an empty list) on the CPU."""
+        return [self.device.index] if self.device.type == "cuda" else []
+
+    @property
+    def compute_precision(self) -> str:
+        """The dtype the matmuls run in ("fp32", "bf16", "fp16"): what MFU's peak must be of.
+        trainer.precision's autocast; engines that cast parameters themselves override it."""
+        return self.cfg.trainer.precision
+
+    @property
     def num_devices(self) -> float:
         """Devices this layout computes on, all processes together (MFU divides by their peak): one
         per process; on CPU the process peaks the cores really give (observe/perf.py cpu_devices)."""

@@ -25,8 +25,10 @@ from typing import Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from launch.faults import fault_point
+from parallel.env import new_group
 from snapshots.writer import SnapshotWriter
 from storage.failures import StorageError, os_error_in
 
@@ -41,8 +43,14 @@ class SaveTiming:
 class BackgroundSaves:
     """One rank's in-flight background save (at most one)."""
 
-    def __init__(self, rank: int, distributed: bool, commit: Callable[[Path, Path, dict], None]):
+    def __init__(self, rank: int, distributed: bool, commit: Callable[[Path, Path, dict], None], pinned: bool = False):
+        """`pinned` (a GPU run): stage into pinned host memory, allocated at the first save and reused by
+        every later one (one stager for the run), so the copy off the GPU runs at the link's speed
+        and no save allocates its whole state again; else DCP's default (fresh pageable memory)."""
         self.rank, self.distributed, self._commit = rank, distributed, commit  # commit: rank 0's meta.json + rename + prune
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=True)) \
+            if pinned else None
         self._group = None
         self._done = threading.Event()
         self._done.set()
@@ -53,12 +61,13 @@ class BackgroundSaves:
     def start(self, step: int, tensors: dict, tmp: Path, final: Path, record: dict) -> float:
         """Copy `tensors` and write them in the background; returns the seconds the caller was blocked."""
         if self.distributed and self._group is None:  # collective: every rank saves at the same steps
-            self._group = dist.new_group(backend="gloo")
+            self._group = new_group(backend="gloo")
         start = time.perf_counter()
         self._done.clear()
         self._failure = None
         future = dcp.async_save(tensors, storage_writer=SnapshotWriter(tmp, step, self.rank),
-                                process_group=self._group, no_dist=not self.distributed)
+                                process_group=self._group, no_dist=not self.distributed,
+                                **({"async_stager": self._stager} if self._stager is not None else {}))
         blocking = time.perf_counter() - start
         self._pending = (step, tmp, start, blocking)
         future.add_done_callback(lambda f: self._finish(f, step, tmp, final, record))

@@ -80,16 +80,28 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    """This process's generator states: the CPU one, and the current CUDA device's when CUDA is in
-    use (dropout on GPU draws from it; without it a resumed GPU run replays step 0's masks)."""
+def rng_state(gpus: list[int] = ()) -> dict[str, torch.Tensor]:
+    """This process's generator states: the CPU one, and when CUDA is in use each of `gpus`' (dropout
+    on GPU draws from them; without them a resumed GPU run replays step 0's masks). One GPU: key
+    "cuda" (as every snapshot wrote before nn.DataParallel kept its replicas' GPUs); several (the
+    replicas of nn.DataParallel): "cuda0", "cuda1", ... A resume that finds not every key of this
+    launch in the snapshot (one written with another GPU count, or before this) derives every
+    stream from (seed, step, dp rank) instead (Trainer.resume, with a note)."""
     state = {"cpu": torch.get_rng_state()}
-    if _cuda_in_use():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if _cuda_in_use() and gpus:
+        if len(gpus) == 1:
+            state["cuda"] = torch.cuda.get_rng_state(gpus[0])
+        else:
+            state.update({f"cuda{i}": torch.cuda.get_rng_state(i) for i in gpus})
     return state
 
 
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+def set_rng_state(state: dict[str, torch.Tensor], gpus: list[int] = ()) -> None:
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and _cuda_in_use():
-        torch.cuda.set_rng_state(state["cuda"])
+    if not _cuda_in_use():
+        return
+    if "cuda" in state and gpus:
+        torch.cuda.set_rng_state(state["cuda"], gpus[0])
+    for i in gpus:
+        if f"cuda{i}" in state:
+            torch.cuda.set_rng_state(state[f"cuda{i}"], i)

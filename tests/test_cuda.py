@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import harness
 import parallel.env
-from config import load_config
+from config import UsageError, load_config
 from launch import local
 from launch.local import REPO, TINY, child_env
 from model import GPT, GPTConfig
@@ -58,24 +58,48 @@ def test_the_switch_puts_every_run_and_process_on_the_device(monkeypatch):
 
 def test_a_rank_binds_the_gpu_of_its_local_rank_and_serves_cpu_tensors_with_gloo(monkeypatch):
     """What init_distributed asks of torch on a GPU node (torch's calls recorded, nothing started):
-    local rank 5 of a 4-GPU node drives GPU 1 (LOCAL_RANK % device_count), NCCL is bound to it
-    (device_id), and CPU tensors get a gloo backend in the same process group: FSDP2's CPU offload
-    keeps sharded gradients on the CPU, and the gradient norm all-reduces them (pytorch#148532: a
-    NCCL-only group fails with "No backend type associated with device type cpu")."""
+    local rank 3 of a 4-process node on 4 GPUs drives GPU 3, NCCL is bound to it (device_id), and
+    CPU tensors get a gloo backend in the same process group: FSDP2's CPU offload keeps sharded
+    gradients on the CPU, and the gradient norm all-reduces them (pytorch#148532: a NCCL-only
+    group fails with "No backend type associated with device type cpu")."""
+    asked = _fake_gpu_node(monkeypatch, gpus=4, processes=4, rank=3)
+    env = init_distributed(load_config(None, ["trainer.device=cuda"]))
+    assert env.device == torch.device("cuda", 3) and asked["set_device"] == 3
+    assert asked["device_id"] == torch.device("cuda", 3) and (asked["rank"], asked["world_size"]) == (3, 4)
+    assert asked["backend"] == "cpu:gloo,cuda:nccl" and env.backend == "nccl"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"  # NCCL's own dump on a timeout goes into the run folder
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].endswith("shakespeare_char/nccl_trace_rank_")
+
+
+def test_more_processes_than_gpus_is_one_line_on_every_rank_before_the_process_group(monkeypatch):
+    """8 processes on a 4-GPU node: every rank (a low local rank too, which has a GPU) refuses with
+    the same line before any process group starts; before, local rank 5 took GPU 1 beside rank 1 and
+    NCCL failed later with a traceback."""
+    for rank in (0, 5):
+        asked = _fake_gpu_node(monkeypatch, gpus=4, processes=8, rank=rank)
+        with pytest.raises(UsageError, match=r"^this node runs 8 processes but torch sees 4 GPUs, and NCCL needs "
+                                             r"one GPU per process; launch torchrun --nproc_per_node=4"):
+            init_distributed(load_config(None, ["trainer.device=cuda"]))
+        assert "backend" not in asked and "set_device" not in asked
+
+
+def _fake_gpu_node(monkeypatch, gpus: int, processes: int, rank: int) -> dict:
+    """torch's CUDA and process-group calls recorded (nothing started) on a node of `gpus` GPUs that
+    torchrun started `processes` ranks on; returns what was asked."""
     asked = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: asked.update(set_device=i))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: asked["set_device"])
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: asked.update(kw))
     monkeypatch.setattr(parallel.env, "_rendezvous_store", lambda rank, world, timeout: None)
-    for k, v in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5"}.items():
+    for k in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"RANK": str(rank), "WORLD_SIZE": str(processes), "LOCAL_RANK": str(rank),
+                 "LOCAL_WORLD_SIZE": str(processes)}.items():
         monkeypatch.setenv(k, v)
-    env = init_distributed(load_config(None, ["trainer.device=cuda"]))
-    assert env.device == torch.device("cuda", 1) and asked["set_device"] == 1
-    assert asked["device_id"] == torch.device("cuda", 1) and (asked["rank"], asked["world_size"]) == (5, 8)
-    assert asked["backend"] == "cpu:gloo,cuda:nccl" and env.backend == "nccl"
+    return asked
 
 
 def test_dataparallel_replicas_compute_in_the_runs_autocast_dtype(monkeypatch):

@@ -85,7 +85,7 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("tpu-v9", "--hardware 'tpu-v9' is neither local, a shipped description (a100-80gb, h100-sxm"),
+    ("tpu-v9", "--hardware 'tpu-v9' is neither local, a shipped description (a100-80gb, h100-sxm, h200-sxm"),
     ("FILE", "needs intra_node"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\ntp_overhead: -0.001\n", "needs tp_overhead: a positive number"),

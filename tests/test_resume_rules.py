@@ -25,6 +25,7 @@ from launch.build import build_trainer
 from launch.local import CORPUS, TINY, torchrun
 from launch.schedule import lr_at
 from parallel.env import init_distributed
+from parallel.strategy import Strategy
 from snapshots.store import SnapshotManager
 
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
@@ -98,37 +99,69 @@ def test_resume_runs_the_configured_optimizer_and_logs_it(tmp_path):
 
 
 class FakeCudaRng:
-    """torch.cuda's RNG functions on a machine without CUDA: a 16-byte state that set/get move."""
+    """torch.cuda's RNG functions on a machine without CUDA: a 16-byte state per GPU (GPU i's filled
+    with fill + i) that set/get move; `restored` records (GPU, state) of every set."""
 
     def __init__(self, fill: int):
-        self.state = torch.full((16,), fill, dtype=torch.uint8)
-        self.restored = []
+        self.fill = fill
+        self.restored: list[tuple[int, torch.Tensor]] = []
 
-    def install(self, monkeypatch):
+    def install(self, monkeypatch, gpus: list[int]):
+        def index(device) -> int:
+            return device if isinstance(device, int) else torch.device(device).index or 0
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.state.clone())
-        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": self.restored.append(s.clone()))
+        monkeypatch.setattr(torch.cuda, "get_rng_state",
+                            lambda device="cuda": torch.full((16,), self.fill + index(device), dtype=torch.uint8))
+        monkeypatch.setattr(torch.cuda, "set_rng_state",
+                            lambda s, device="cuda": self.restored.append((index(device), s.clone())))
+        # the strategy's GPUs, as on a GPU node: one of its own, or nn.DataParallel's replicas' GPUs
+        monkeypatch.setattr(Strategy, "rng_gpus", property(lambda strategy: gpus))
 
 
-def test_cuda_rng_state_is_saved_and_restored(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gpus, keys", [
+    ([0], {"rank0", "rank0_cuda"}),  # a rank's own GPU
+    ([0, 1, 2], {"rank0", "rank0_cuda0", "rank0_cuda1", "rank0_cuda2"}),  # nn.DataParallel's replicas: every GPU's
+])
+def test_cuda_rng_state_of_every_gpu_the_rank_draws_on_is_saved_and_restored(tmp_path, monkeypatch, gpus, keys):
+    """Dropout on GPU draws from each GPU's own generator: nn.DataParallel's replicas on GPUs 1..N
+    too. A resume restores each GPU's state (before, only the current GPU's was kept, and the
+    replicas on the others replayed their first masks)."""
     run = tmp_path / "run"
     cfg = load_config(None, BASE + [f"trainer.run_dir={run}", "trainer.max_steps=2", "trainer.device=cpu"])
     trainer = build_trainer(cfg, init_distributed(cfg), run)
     trainer.train_step()
     with monkeypatch.context() as m:
-        FakeCudaRng(fill=7).install(m)
+        FakeCudaRng(fill=7).install(m, gpus)
         tensors = trainer.state_tensors()
-    assert set(tensors["rng"]) == {"rank0", "rank0_cuda"}
+    assert set(tensors["rng"]) == keys
     # written outside the stand-in: DCP's writer would use CUDA streams
     path = trainer.snapshots.save(trainer.step, tensors, trainer.state_meta())
-    assert {"rng.rank0", "rng.rank0_cuda"} <= SnapshotManager.stored_keys(path)
+    assert {f"rng.{k}" for k in keys} <= SnapshotManager.stored_keys(path)
 
-    later = FakeCudaRng(fill=0)  # a fresh process: its CUDA generator is elsewhere
-    later.install(monkeypatch)
+    later = FakeCudaRng(fill=0)  # a fresh process: its CUDA generators are elsewhere
+    later.install(monkeypatch, gpus)
     resumed = build_trainer(cfg, init_distributed(cfg), run)
-    assert resumed.resume() is not None
-    assert len(later.restored) == 1 and torch.equal(later.restored[0], torch.full((16,), 7, dtype=torch.uint8))
+    assert resumed.resume() is not None and resumed.rng_note is None
+    assert sorted((gpu, int(state[0])) for gpu, state in later.restored) == [(g, 7 + g) for g in gpus]
+
+
+def test_a_snapshot_without_every_gpus_rng_state_restarts_the_streams_with_a_note(tmp_path, monkeypatch):
+    """Written on one GPU, resumed by nn.DataParallel on two: the snapshot lacks GPU 1's generator,
+    so every stream is derived from (seed, step) and the start-up says so."""
+    run = tmp_path / "run"
+    cfg = load_config(None, BASE + [f"trainer.run_dir={run}", "trainer.max_steps=2", "trainer.device=cpu"])
+    trainer = build_trainer(cfg, init_distributed(cfg), run)
+    trainer.train_step()
+    with monkeypatch.context() as m:
+        FakeCudaRng(fill=7).install(m, [0])
+        tensors = trainer.state_tensors()
+    trainer.snapshots.save(trainer.step, tensors, trainer.state_meta())
+    later = FakeCudaRng(fill=0)
+    later.install(monkeypatch, [0, 1])
+    resumed = build_trainer(cfg, init_distributed(cfg), run)
+    assert resumed.resume() is not None and later.restored == []
+    assert resumed.rng_note.startswith(f"note: {run / 'snapshots'}") and "rank0_cuda0, rank0_cuda1" in resumed.rng_note
 
 
 def test_tp_peers_keep_identical_replicated_parameters_with_dropout_after_a_resume(tmp_path):
