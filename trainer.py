@@ -76,8 +76,7 @@ class Trainer:
         self.tracker = NullTracker()
         self.tracker_run_id: str | None = None
         self.snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, strategy.env.rank,
-                                         strategy.env.distributed, background=cfg.trainer.async_save,
-                                         pinned=strategy.device.type == "cuda")
+                                         strategy.env.distributed, background=cfg.trainer.async_save)
         set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
         self.peak = Peak(strategy.device, strategy.compute_precision, cfg.trainer.peak_flops, strategy.is_tracker)
         self.peak_label = self._tracker_peak_label()

@@ -186,7 +186,8 @@ def hang_line(reports: dict[int, RankReport], world_size: int, identities: dict[
         if r.rank not in behind:
             waiting.setdefault(f"{r.waits_in or 'no collective'} ({r.where})", []).append(r.rank)
     if not parts:
-        parts.append(f"no step finished for {stalled:.0f} s and every rank is in a collective")
+        in_collectives = all(r.waits_in for r in live)
+        parts.append(f"no step finished for {stalled:.0f} s" + (" and every rank is in a collective" if in_collectives else ""))
     waits = "; ".join(f"{compact_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in {what}"
                       for what, ranks in waiting.items())
     return (f"hang: {'; '.join(parts)}" + (f"; {waits}" if waits else "") +

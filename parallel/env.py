@@ -129,10 +129,9 @@ def init_distributed(cfg: Config, timeout_s: float | None = None, config_file: s
     # On CUDA, CPU tensors get gloo in the same group: FSDP2's CPU offload keeps the sharded gradients
     # on the CPU and the gradient norm all-reduces them; NCCL alone refuses CPU tensors (pytorch#148532).
     group_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-    if cfg.trainer.hang_timeout_s:  # the hang watchdog reads the flight recorder (launch/watchdog.py)
+    if cfg.trainer.hang_timeout_s or backend == "nccl":  # the hang watchdog reads it (launch/watchdog.py); NCCL dumps it
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     if backend == "nccl":  # read when the NCCL group starts (the dump's file name: when it dumps)
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))  # its name before TORCH_FR_
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # a timed-out collective dumps NCCL's recorder ...
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",  # ... into the run folder, not the node's /tmp
                               str(Path(cfg.trainer.run_dir).expanduser().absolute() / NCCL_DUMP_PREFIX))

@@ -9,6 +9,12 @@ the one rename that makes the temporary folder a snapshot (snapshots/writer.py).
 no resume sees it; a SIGKILL at any point leaves at most a temporary folder, which the next save
 removes.
 
+The copy goes to fresh pageable host memory (DCP's default staging). Pinned staging reused from
+save to save (DCP's DefaultStager with use_pinned_memory) would copy faster, but on torch 2.11 +
+CUDA 13 on an H100 it hung at the first background save, the whole process stopped (the hang
+watchdog's thread too, so the GIL was held), with and without FSDP's CPU offload; DCP's default
+staging passed the same run (scripts/gpu_check.sh, docs/gpu-check.md).
+
 At most one save is in flight: `start` first waits for the previous one. `wait` (every rank, at the
 next save and at the end of training: the final or stop snapshot is waited for before the run's
 closing line) returns the finished save's timings, or raises StorageError on every rank when its
@@ -25,7 +31,6 @@ from typing import Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from launch.faults import fault_point
 from parallel.env import new_group
@@ -43,14 +48,8 @@ class SaveTiming:
 class BackgroundSaves:
     """One rank's in-flight background save (at most one)."""
 
-    def __init__(self, rank: int, distributed: bool, commit: Callable[[Path, Path, dict], None], pinned: bool = False):
-        """`pinned` (a GPU run): stage into pinned host memory, allocated at the first save and reused by
-        every later one (one stager for the run), so the copy off the GPU runs at the link's speed
-        and no save allocates its whole state again; else DCP's default (fresh pageable memory)."""
+    def __init__(self, rank: int, distributed: bool, commit: Callable[[Path, Path, dict], None]):
         self.rank, self.distributed, self._commit = rank, distributed, commit  # commit: rank 0's meta.json + rename + prune
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=True)) \
-            if pinned else None
         self._group = None
         self._done = threading.Event()
         self._done.set()
@@ -66,8 +65,7 @@ class BackgroundSaves:
         self._done.clear()
         self._failure = None
         future = dcp.async_save(tensors, storage_writer=SnapshotWriter(tmp, step, self.rank),
-                                process_group=self._group, no_dist=not self.distributed,
-                                **({"async_stager": self._stager} if self._stager is not None else {}))
+                                process_group=self._group, no_dist=not self.distributed)
         blocking = time.perf_counter() - start
         self._pending = (step, tmp, start, blocking)
         future.add_done_callback(lambda f: self._finish(f, step, tmp, final, record))

@@ -94,14 +94,13 @@ class SnapshotManager:
     _reported: set[str] = field(default_factory=set)  # damaged ones already warned about
     newest: Path | None = None  # the newest valid snapshot (resumed from or written): the resume point
     background: bool = False  # trainer.async_save: write and commit on a thread (snapshots/background.py)
-    pinned: bool = False  # background saves stage into pinned host memory, kept from save to save (a GPU run)
     _saves: BackgroundSaves | None = None
     _in_flight: Path | None = None  # the final folder of the background save not yet waited for
     _timing: SaveTiming | None = None  # the newest finished save's, not yet logged
 
     def __post_init__(self):
         if self.background:
-            self._saves = BackgroundSaves(self.rank, self.distributed, self._commit_and_prune, self.pinned)
+            self._saves = BackgroundSaves(self.rank, self.distributed, self._commit_and_prune)
 
     @property
     def snap_dir(self) -> Path:

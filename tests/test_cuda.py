@@ -94,7 +94,7 @@ def _fake_gpu_node(monkeypatch, gpus: int, processes: int, rank: int) -> dict:
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: asked.update(kw))
     monkeypatch.setattr(parallel.env, "_rendezvous_store", lambda rank, world, timeout: None)
-    for k in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+    for k in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE"):
         monkeypatch.delenv(k, raising=False)
     for k, v in {"RANK": str(rank), "WORLD_SIZE": str(processes), "LOCAL_RANK": str(rank),
                  "LOCAL_WORLD_SIZE": str(processes)}.items():
