@@ -131,6 +131,7 @@ def test_cuda_rng_state_is_saved_and_restored(tmp_path, monkeypatch):
     assert len(later.restored) == 1 and torch.equal(later.restored[0], torch.full((16,), 7, dtype=torch.uint8))
 
 
+@pytest.mark.launch
 def test_tp_peers_keep_identical_replicated_parameters_with_dropout_after_a_resume(tmp_path):
     r = torchrun(2, ["tests/resume_worker.py", "--out", str(tmp_path)], timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
