@@ -1,16 +1,23 @@
 """pytest set-up: offline tiktoken, one torch thread per process, and the suite's device
 (MINGPT_TEST_DEVICE, launch/local.py): a session that asks for a device this machine lacks fails
 at once with one line, before any test runs (never a skip). pytest.ini puts the repository and
-tests/ on sys.path."""
+tests/ on sys.path.
+
+The two tiers: a test that starts a process carries the marker `launch` (pytest.ini); the fast tier,
+`-m "not launch"`, runs in this process only. The rule is enforced: a test without the marker that
+starts a process, in its body or through a fixture, fails at once naming the marker."""
+import multiprocessing.process
 import os
 import subprocess
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness import device_problem
-from launch.local import CORPUS, TIKTOKEN_DIR, TINY, device_env, python, torchrun
+from launch.local import CORPUS, REPO, TIKTOKEN_DIR, TINY, device_env, python, torchrun
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 # Before CUDA starts in this process (it starts lazily): the tests that train in this process see
@@ -26,6 +33,96 @@ def pytest_configure(config):
     problem = device_problem()
     if problem:
         raise pytest.UsageError(problem)  # pytest prints "ERROR: <problem>" and exits with status 4
+
+
+# ----------------------------------------------------------------------------- the launch tier
+
+LAUNCH = "launch"
+# Every way this process can start another: subprocess (subprocess.run, torchrun and python of
+# launch/local.py, StreamedLaunch and os.popen go through Popen), the os calls that fork or exec
+# without it, and multiprocessing (a Pool or a ProcessPoolExecutor starts Process objects; under
+# spawn and forkserver they exec without Popen, so Process.start is where to stop them).
+# No exception for application or library code that starts processes in a test's own process:
+# torch.compile on the CPU runs g++ and a python per kernel (inductor: 19 processes and ~20 s for a
+# function of 3 ops on this 2-core machine), prepare.py's corpus build starts a Pool of workers and
+# `main.py --plan` measures this machine with processes of costs/calibrate.py. A test that reaches
+# any of them is slow and competes for the cores, so it belongs in the launch tier too.
+PROCESS_STARTS = [(subprocess.Popen, "__init__", "subprocess.Popen"),
+                  (multiprocessing.process.BaseProcess, "start", "multiprocessing Process.start")] + [
+    (os, name, f"os.{name}") for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp")
+    if hasattr(os, name)]
+
+
+def launch_refusal(what: str) -> str:
+    """The one message of a process start refused to a test without the marker; `what` names the call
+    and where in the repository it was made."""
+    return (f"this test started a process ({what}) but has no `{LAUNCH}` marker: mark it "
+            f"@pytest.mark.{LAUNCH} (or its module: pytestmark = pytest.mark.{LAUNCH}); the fast tier "
+            f'(-m "not {LAUNCH}") starts no process')
+
+
+def _caller() -> str:
+    """Where the refused start was asked for: the innermost frame of a test module or a conftest (a
+    fixture), else of the repository (a test reached it through the application)."""
+    stack = traceback.extract_stack()[:-2]  # less this function and the refusing stand-in
+    in_repo = [f for f in stack if Path(f.filename).resolve().is_relative_to(REPO)]
+    tests = [f for f in stack if Path(f.filename).name.startswith(("test_", "conftest"))]
+    if not (tests or in_repo):
+        return "outside the repository"
+    frame = (tests or in_repo)[-1]
+    path = Path(frame.filename).resolve()
+    return f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{frame.lineno} in {frame.name}"
+
+
+@contextmanager
+def no_process_starts():
+    """While entered, every process start (PROCESS_STARTS) fails the test with launch_refusal;
+    yields the list of refusals, which the caller checks on leaving: a refusal swallowed by an
+    `except` or raised on another thread (a background save, a pool) still fails the test."""
+    refused: list[str] = []
+
+    def refuse(what: str):
+        def start(*args, **kwargs):
+            refused.append(launch_refusal(f"{what} from {_caller()}"))
+            pytest.fail(refused[-1], pytrace=False)  # BaseException: no `except Exception` swallows it
+        return start
+
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, what in PROCESS_STARTS:
+            patch.setattr(owner, name, refuse(what))
+        yield refused
+
+
+def _guarded(item: pytest.Item):
+    """The body of the three hook wrappers below: the phase runs under no_process_starts unless the
+    test is marked `launch`."""
+    if item.get_closest_marker(LAUNCH) is not None:
+        return (yield)
+    with no_process_starts() as refused:
+        result = yield
+    if refused:
+        pytest.fail(refused[0], pytrace=False)
+    return result
+
+
+# Hook wrappers, not an autouse fixture: session fixtures (ddp_reference, eight_processes) are set up
+# before any function-scoped fixture, so only a wrapper of the whole setup phase sees them launch.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _guarded(item))
+
+
+# ----------------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ def model_pt(run_dir: Path) -> dict:
     return torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
 
 
+@pytest.mark.launch
 def test_python_main_py_trains_and_writes_every_output(tmp_path, capsys):
     run = tmp_path / "run"
     r = python(["main.py", *TINY, "trainer.max_steps=10", "trainer.save_every=5", f"trainer.run_dir={run}"],

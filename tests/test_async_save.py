@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import DDP_REFERENCE
 from launch.local import torchrun
 from snapshots.store import list_snapshots, validate_snapshot
+
+pytestmark = pytest.mark.launch
 
 ASYNC = DDP_REFERENCE + ["trainer.async_save=true"]
 RESTART = ["--max-restarts=1", "--monitor-interval=0.2"]

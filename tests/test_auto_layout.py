@@ -14,6 +14,7 @@ import main as app
 from launch.local import TINY, torchrun
 
 
+@pytest.mark.launch
 def test_auto_trains_under_torchrun_and_a_resume_keeps_the_choice(tmp_path):
     run = tmp_path / "run"
     args = ["main.py", *TINY, f"trainer.run_dir={run}", "parallel.strategy=auto", "trainer.sample_tokens=0"]

@@ -215,6 +215,7 @@ def test_bad_input_is_one_line_exit_2_and_touches_no_snapshot(case, existing_run
     assert digests(run) == before, f"{case} changed the existing run folder"
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("overrides, words", [
     (["--config", "{root}/bad.yaml"], "is not valid YAML"),
     (["data.path={root}/latin1.txt"], "is not UTF-8"),

@@ -25,6 +25,7 @@ from parallel.env import DistEnv, init_distributed
 from parallel.step import autocast
 
 
+@pytest.mark.launch
 def test_cuda_switch_fails_the_session_with_one_line_on_a_machine_without_gpus():
     """The real suite's collection, asked to run on CUDA here: it must fail before any test runs,
     with one line naming the fix; never run on CPU instead, never skip."""

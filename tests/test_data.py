@@ -190,6 +190,7 @@ def test_unreachable_url_falls_back_with_one_warning_or_fails_cleanly(tmp_path):
         load_corpus(DataConfig(path=url, cache_dir=str(tmp_path / "cache"), offline_fallback=False))
 
 
+@pytest.mark.launch
 def test_main_runs_offline_on_the_fallback_corpus(tmp_path):
     url = f"http://127.0.0.1:{closed_port()}/x.txt"
     r = python(["main.py", *TINY, f"data.path={url}", f"data.cache_dir={tmp_path / 'cache'}",

@@ -138,6 +138,7 @@ def check_parity(ref: dict, got: dict, name: str, reference: str) -> None:
 # ----------------------------------------------------------------------------- parity
 
 
+@pytest.mark.launch
 def test_parity_two_processes(references, two):
     for name, (_, reference) in TWO_PROC.items():
         got = load_case(two, name)
@@ -145,6 +146,7 @@ def test_parity_two_processes(references, two):
         check_parity(references[reference], got, f"{name} (dp=2)", reference)
 
 
+@pytest.mark.launch
 def test_parity_four_processes(references, four):
     for name, (_, reference) in FOUR_PROC.items():
         got = load_case(four, name)
@@ -152,6 +154,7 @@ def test_parity_four_processes(references, four):
         check_parity(references[reference], got, f"{name} (dp=4)", reference)
 
 
+@pytest.mark.launch
 def test_fsdp_mixed_precision_trains_close_to_fp32(references, two):
     ref, got = references["fp32"], load_case(two, MIXED[0])
     assert all(torch.isfinite(torch.tensor(got["losses"])))
@@ -228,6 +231,7 @@ def check_memory(result: dict, kind: str, model_overrides: str = "") -> None:
         assert sum(m["optimizer"] for m in result["memory"]) == 8 * a
 
 
+@pytest.mark.launch
 def test_memory_follows_formulas(two, four):
     for name, kind in [("ddp", "ddp"), ("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "sharded3"),
                        ("fsdp", "sharded3")]:
@@ -248,6 +252,7 @@ def test_memory_follows_formulas(two, four):
     assert odd[-1]["optimizer"] < odd[0]["optimizer"], "odd sizes should give the last rank a smaller slice"
 
 
+@pytest.mark.launch
 def test_shard_buckets_on_odd_sizes(four):
     b = torch.load(four / "buckets.pt", weights_only=True)
     assert b["max_error"] <= 1e-6 and b["gather_exact"]
@@ -267,6 +272,7 @@ def assert_same_state(expected: dict, got: dict, name: str) -> None:
     assert expected["param_groups"] == got["param_groups"], name
 
 
+@pytest.mark.launch
 def test_state_dict_loads_across_strategies_and_world_sizes(two, four, tmp_path):
     expected = {name: torch.load(two / f"ckpt-{name}.expected.pt", weights_only=True) for name in SAVE}
     assert any(k.startswith("optim.") and k.endswith(".exp_avg") for k in expected["zero2"]["tensors"])
@@ -320,6 +326,7 @@ def check_model_pt(run_dir: Path) -> None:
         assert type(v) is torch.Tensor and v.shape == want[k].shape, k
 
 
+@pytest.mark.launch
 def test_whole_app_every_strategy(tmp_path):
     # one process: strategy dp without a GPU trains as plain one-process training and says so
     single = tmp_path / "dp"

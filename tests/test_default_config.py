@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from harness import SHOWN_DEVICE
+
+pytestmark = pytest.mark.launch
 
 STEPS = 3  # benchmarks/mesh_2x2x2.py DEFAULT_STEPS
 

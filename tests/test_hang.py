@@ -14,6 +14,7 @@ import signal
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import DDP_REFERENCE
@@ -64,6 +65,7 @@ def test_the_line_names_who_did_not_arrive_and_where_the_others_wait(tmp_path):
     assert compact_ranks([3]) == "rank 3" and compact_ranks([0, 1, 2, 5]) == "ranks 0-2, 5"
 
 
+@pytest.mark.launch
 def test_sigstop_names_the_frozen_rank_and_the_restart_ends_bit_identical(ddp_reference, tmp_path):
     """`stop:update:12:1`: rank 1 freezes after step 12. Rank 0's watchdog names it within ~3 s
     (+ 5 s for the reports it never sends), points at the collective rank 0 waits in, and exits 4;
@@ -87,6 +89,7 @@ def test_sigstop_names_the_frozen_rank_and_the_restart_ends_bit_identical(ddp_re
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.launch
 def test_a_rank_blocked_outside_any_collective_is_named_with_where_it_is(tmp_path):
     """`block:update:7:1`: rank 1's training thread deadlocks on a lock after step 7, outside any
     collective. Both watchdogs report; rank 1's flight record is one collective behind rank 0's, so

@@ -96,6 +96,7 @@ def test_import_hf_gpt2_gives_its_logits(hf_dir, tmp_path):
         assert (model(ids) - hf(ids).logits).abs().max().item() > 10 * 1e-5
 
 
+@pytest.mark.launch
 def test_finetune_imported_gpt2_under_fsdp_and_tp_starts_from_its_loss(hf_dir, tmp_path):
     path, hf = hf_dir
     common = GPT2_RUN + [f"model.init_from={path}", "trainer.max_steps=3"]
@@ -280,6 +281,7 @@ def test_init_from_adopts_the_source_shape_the_user_did_not_set(hf_dir, tmp_path
     assert yaml.safe_load((again / "config.yaml").read_text())["model"]["n_head"] == 2
 
 
+@pytest.mark.launch
 def test_named_gpt2_sizes_set_the_shape_for_training_and_plan(tmp_path, capsys):
     """model.size=gpt2-medium is 24 layers x 16 heads x 1024 wide, for --plan and for training;
     a size that does not exist, or a shape key set against the size, is refused in one line."""

@@ -2,7 +2,11 @@
 (first-step gradients, loss at each of 6 steps, val loss), HSDP x tp does too, and main.py
 trains, evaluates and writes model.pt on that mesh. Runs benchmarks/mesh_2x2x2.py (the session's
 one 8-process launch, conftest.eight_processes), which prints the figures."""
+import pytest
+
 from launch.local import python
+
+pytestmark = pytest.mark.launch
 
 
 def test_dp2_tp2_pp2_matches_one_process_and_the_app_runs(eight_processes):

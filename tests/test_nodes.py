@@ -72,6 +72,7 @@ def two_node_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.launch
 def test_fsdp_across_two_nodes_matches_one_process(one_process, two_node_run):
     ref, got = metric_rows(one_process), metric_rows(two_node_run)
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
@@ -88,6 +89,7 @@ def test_fsdp_across_two_nodes_matches_one_process(one_process, two_node_run):
     assert worst <= PARAM_ATOL, worst
 
 
+@pytest.mark.launch
 def test_worker_killed_on_one_node_restarts_both_and_ends_bit_identical(two_node_run, tmp_path):
     run = tmp_path / "run"
     with two_nodes(tmp_path, NODES + [f"trainer.run_dir={run}"], max_restarts=3) as (a, b):
@@ -106,6 +108,7 @@ def test_worker_killed_on_one_node_restarts_both_and_ends_bit_identical(two_node
     assert [(r["step"], r["loss"]) for r in metric_rows(run)] == [(r["step"], r["loss"]) for r in metric_rows(two_node_run)]
 
 
+@pytest.mark.launch
 def test_node_lost_the_other_reforms_alone_and_continues_the_curve(one_process, tmp_path):
     run = tmp_path / "run"
     with two_nodes(tmp_path, NODES + [f"trainer.run_dir={run}"], nnodes="1:2", max_restarts=3) as (a, b):
@@ -187,6 +190,7 @@ def sbatch(tmp: Path, run: Path, env: dict, usr1_at_step: int | None = None) -> 
     return rc, log.read_text(errors="replace")
 
 
+@pytest.mark.launch
 def test_slurm_script_trains_on_two_nodes_requeues_at_time_limit_and_resumes(two_node_run, tmp_path):
     bin_dir, run, requeues = tmp_path / "bin", tmp_path / "shared" / "run", tmp_path / "requeues"
     bin_dir.mkdir()

@@ -151,6 +151,7 @@ def check_against_measurement(tmp_path, nproc: int, cases: dict) -> None:
                 assert getattr(want, key) == pytest.approx(most, abs=SLACK), (name, pp_rank, key)
 
 
+@pytest.mark.launch
 def test_predictions_match_two_processes(tmp_path):
     check_against_measurement(tmp_path, 2, TWO_PROC)
     # what the schedules keep in flight on each rank (torch's warm-up: gpipe all M, 1f1b p - rank)
@@ -160,6 +161,7 @@ def test_predictions_match_two_processes(tmp_path):
     assert [r.inflight_microbatches for r in one_f_one_b.per_pp_rank] == [2, 1]
 
 
+@pytest.mark.launch
 def test_predictions_match_four_processes(tmp_path):
     check_against_measurement(tmp_path, 4, FOUR_PROC)
     # HSDP moves fsdp's collectives inside a replica group (2 ranks) plus an all-reduce of the
@@ -205,6 +207,7 @@ def _cfg_layout(tmp_path, overrides):
     return planner.check_layout(config(tmp_path, *overrides), 2)
 
 
+@pytest.mark.launch
 def test_plan_cli_gpt2_xl_on_512_ranks(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert app.main(["--plan", "--world-size", "512", "--device-memory", "8GB", "--plan-json", str(out), *XL]) == 0

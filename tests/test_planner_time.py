@@ -112,6 +112,7 @@ def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
+@pytest.mark.launch
 def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MINGPT_PEAK_CACHE", str(tmp_path / "peak-flops.json"))
     first = load_hardware("local")
@@ -256,6 +257,7 @@ def test_refusals_grouped_blocker_of_every_layout_first(tmp_path, capsys):
     assert "docs/planner.md" in lines[-1] and "%" not in lines[-1]  # the footer points at the docs
 
 
+@pytest.mark.launch
 def test_published_tables_stay_within_their_measured_bands():
     """benchmarks/published_throughput.py: every row of MosaicML's FSDP table and of Megatron-LM's
     tp x pp table plans without a refusal, and predicted / published throughput stays in the band

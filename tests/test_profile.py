@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launch.local import TINY, torchrun
 from observe.profiling import trace_names
+
+pytestmark = pytest.mark.launch
 
 
 def test_a_ddp_run_writes_a_trace_of_the_chosen_steps_per_rank(tmp_path):

@@ -12,9 +12,13 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from config import DataConfig
 from corpus.text import corpus_cache_path
 from launch.local import CORPUS, REPO, TORCHRUN, child_env, multiprocess_lock
+
+pytestmark = pytest.mark.launch
 
 SHORT = ["trainer.max_steps=3", "trainer.eval_batches=2"]
 

@@ -6,6 +6,7 @@ after a flip in a host's memory.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from launch.local import TINY, torchrun
@@ -35,6 +36,7 @@ def test_one_flipped_bit_changes_the_fingerprint():
     assert fingerprint(odd) == fingerprint(odd.clone()) != fingerprint(changed)
 
 
+@pytest.mark.launch
 def test_a_flip_on_one_of_four_ddp_replicas_is_named_before_the_next_snapshot(tmp_path):
     run = tmp_path / "run"
     r = torchrun(4, ["main.py", *COMMON, "parallel.strategy=ddp", "trainer.batch_size=16",
@@ -51,6 +53,7 @@ def test_a_flip_on_one_of_four_ddp_replicas_is_named_before_the_next_snapshot(tm
     assert only_snapshot_5(run)
 
 
+@pytest.mark.launch
 def test_a_flip_in_a_tensor_parallel_replica_is_caught(tmp_path):
     """tp=2 replicates the LayerNorm weights over the tp group: two copies, so both ranks are named.
     The flip comes after the update of step 10, just before its save: a flipped replicated weight

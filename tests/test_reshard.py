@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import main as app
 from launch.local import TINY, torchrun
+
+pytestmark = pytest.mark.launch
 
 STEPS = 2  # per segment
 COMMON = TINY + ["trainer.log_every=1", "trainer.eval_every=1000", "trainer.sample_tokens=0",

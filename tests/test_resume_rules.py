@@ -164,6 +164,7 @@ def test_a_snapshot_without_every_gpus_rng_state_restarts_the_streams_with_a_not
     assert resumed.rng_note.startswith(f"note: {run / 'snapshots'}") and "rank0_cuda0, rank0_cuda1" in resumed.rng_note
 
 
+@pytest.mark.launch
 def test_tp_peers_keep_identical_replicated_parameters_with_dropout_after_a_resume(tmp_path):
     r = torchrun(2, ["tests/resume_worker.py", "--out", str(tmp_path)], timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -51,6 +51,7 @@ def one_error_line(err: str) -> str:
 # ----------------------------------------------------------------------------- the lock
 
 
+@pytest.mark.launch
 def test_second_launch_is_refused_and_the_lock_dies_with_its_process(tmp_path, capsys):
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "main.py", *RUN, "trainer.max_steps=100000",
@@ -108,6 +109,7 @@ def hold_lock(path: Path, seconds: float) -> subprocess.Popen:
     return holder
 
 
+@pytest.mark.launch
 def test_a_torchrun_restart_waits_for_a_lock_that_outlives_its_holder(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
@@ -209,6 +211,7 @@ def launch_as_other_user(args: list[str]) -> tuple[int, str]:
     return os.waitstatus_to_exitcode(status), err
 
 
+@pytest.mark.launch
 def test_read_only_run_dir_is_bad_input(trained):
     base = Path(tempfile.mkdtemp(prefix="mingpt-read-only-"))  # pytest's tmp_path is root-only
     try:
@@ -235,6 +238,7 @@ def test_read_only_run_dir_is_bad_input(trained):
         shutil.rmtree(base)
 
 
+@pytest.mark.launch
 def test_unreadable_cache_dir_is_one_line_and_ignored_for_a_local_corpus():
     """Another user's ~/.cache (as "nobody", root's home is mode 700): Path.exists() itself raises
     PermissionError. A URL corpus needs the cache: one line, exit 2; a local corpus never reads it."""

@@ -86,6 +86,7 @@ def test_resume_rules(tmp_path, capsys):
     assert before == after
 
 
+@pytest.mark.launch
 def test_export_and_sample_from_snapshot(tmp_path, capsys):
     """An export never replaces a newer model.pt: `--step N` writes model_step_N.pt beside it and
     says so; sample.py --model and model.init_from take that file; without --step the newest
@@ -163,6 +164,7 @@ def launch_and_kill(run_dir: Path, kills: int, extra: list[str] = (), env: dict 
     return rc, job.output()
 
 
+@pytest.mark.launch
 def test_sigkill_at_random_moments_restarts_and_matches(long_ddp_reference, tmp_path):
     run = tmp_path / "killed"
     rc, out = launch_and_kill(run, kills=2, seed=int(time.time()))
@@ -173,6 +175,7 @@ def test_sigkill_at_random_moments_restarts_and_matches(long_ddp_reference, tmp_
     assert steps == sorted(set(steps)) == metric_steps(long_ddp_reference), steps
 
 
+@pytest.mark.launch
 def test_kill_during_snapshot_write_keeps_previous(long_ddp_reference, tmp_path):
     run = tmp_path / "killed-in-save"
     rc, out = launch_and_kill(run, kills=0, max_restarts=1, env={"MINGPT_FAULT": "kill:save:60:1"})

@@ -5,6 +5,8 @@ a layout description that names what runs on each mesh dimension.
 Launches: one 2-process torchrun of main.py that refuses its layout; the rest runs in this process."""
 import re
 
+import pytest
+
 import main as app
 from config import dump_yaml, load_config
 from harness import SHOWN_DEVICE
@@ -59,6 +61,7 @@ def test_startup_view_is_short_and_the_whole_config_is_on_request(tmp_path, caps
     assert f"| resumed from {run / 'snapshots' / 'step_0000001'} at step 1 |" in out, out[:3000]
 
 
+@pytest.mark.launch
 def test_layout_error_under_torchrun_is_the_last_line_and_in_the_summary(tmp_path):
     run = tmp_path / "run"
     r = torchrun(2, ["main.py", *TINY, "parallel.tp=4", f"trainer.run_dir={run}"], timeout=120)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import main as app
@@ -90,6 +91,7 @@ def stop_of(out: str) -> tuple[int, str, list[str]]:
     return int(found[0][1]), found[0][2], shlex.split(found[0][3])
 
 
+@pytest.mark.launch
 def test_ctrl_c_or_sigterm_stops_at_one_step_saves_it_and_the_printed_command_resumes(long_ddp_reference,
                                                                                       tmp_path):
     reference, run = long_ddp_reference, tmp_path / "run"
@@ -127,6 +129,7 @@ def test_ctrl_c_or_sigterm_stops_at_one_step_saves_it_and_the_printed_command_re
     assert metric_steps(run) == metric_steps(reference)
 
 
+@pytest.mark.launch
 def test_ctrl_c_to_python_main_py_stops_saves_and_the_printed_command_resumes(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "main.py", *STOP, "parallel.strategy=none", "trainer.resume=never",
@@ -143,6 +146,7 @@ def test_ctrl_c_to_python_main_py_stops_saves_and_the_printed_command_resumes(tm
     assert r.stdout.rstrip().splitlines()[-1].startswith("done: step 120"), r.stdout[-2000:]
 
 
+@pytest.mark.launch
 def test_a_signal_during_start_up_is_one_line_and_no_traceback(tmp_path):
     """Ctrl-C (or torchrun's forwarded SIGTERM) while the processes still import torch: before the
     step loop there is no step to agree on, so every process ends by the signal at once (a shell
@@ -162,6 +166,7 @@ def test_a_signal_during_start_up_is_one_line_and_no_traceback(tmp_path):
         assert not STOP_LINE.search(out) and not (run / "snapshots").exists(), out[-4000:]
 
 
+@pytest.mark.launch
 def test_ctrl_c_after_training_is_one_line_naming_the_final_snapshot(tmp_path):
     """SIGINT while the finished run writes its sample (model.pt is written just before): the final
     snapshot is in place, so the line says so and how to write model.pt, instead of a traceback."""
@@ -212,6 +217,7 @@ def test_nan_weights_in_one_process_are_never_snapshotted(tmp_path, capsys, monk
     assert snapshots(run) == ["step_0000010"]
 
 
+@pytest.mark.launch
 def test_nan_loss_on_one_rank_is_agreed_and_never_snapshotted(tmp_path, capsys):
     run = tmp_path / "run"
     # Rank 1's weights turn NaN after step 3: its loss of step 4 is NaN, rank 0's is finite (the

@@ -33,7 +33,8 @@ import trainer as trainer_module
 from launch.local import REPO, TINY, child_env, torchrun
 from snapshots.store import list_snapshots, validate_snapshot
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+pytestmark = [pytest.mark.launch,
+              pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")]
 
 # Snapshots every 5 steps; the cosine's length is fixed, so a run resumed at any step follows the
 # same LR curve as the uninterrupted one. A snapshot of this model takes about 1.1 MiB.

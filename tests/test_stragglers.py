@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun_argv, worker_pids, worker_rank
 from observe.stragglers import SLOW_WINDOWS, median_without, thread_clock_ns
 
@@ -50,6 +52,7 @@ def test_the_thread_clock_counts_work_and_waiting_for_a_core_not_sleep():
     assert slept < 0.02e9 and worked > 0.09e9, (slept, worked)
 
 
+@pytest.mark.launch
 def test_a_rank_sharing_its_core_with_a_busy_process_is_named(tmp_path):
     run = tmp_path / "run"
     with multiprocess_lock():

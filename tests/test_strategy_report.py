@@ -21,6 +21,8 @@ import pytest
 from costs.measure import ring_moved
 from launch.local import TINY, python, torchrun
 
+pytestmark = pytest.mark.launch
+
 K = 4 * 2**18
 
 

@@ -12,6 +12,8 @@ import subprocess
 import tokenize
 from dataclasses import dataclass
 
+import pytest
+
 from launch.local import REPO
 
 NOT_APPLICATION = ("tests", "benchmarks", "docs")
@@ -141,6 +143,7 @@ def find_cycle(edges: list[Edge]) -> list[Edge] | None:
     return None
 
 
+@pytest.mark.launch
 def test_no_import_cycle_among_the_application_modules():
     edges = import_edges()
     assert any(e.source == "main" and e.target == "config" for e in edges), "the scan finds no imports"
@@ -152,11 +155,13 @@ def test_no_import_cycle_among_the_application_modules():
 # ----------------------------------------------------------------------------- sizes
 
 
+@pytest.mark.launch
 def test_the_repository_root_holds_at_most_12_python_files():
     root = [p for p in python_files() if "/" not in p]
     assert len(root) <= MAX_ROOT_PY_FILES, f"{len(root)} Python files at the root: {root}"
 
 
+@pytest.mark.launch
 def test_no_application_file_is_over_400_lines():
     long = {p: n for p in application_files()
             if (n := len((REPO / p).read_text(encoding="utf-8").splitlines())) > MAX_FILE_LINES}
@@ -175,6 +180,7 @@ def functions(tree: ast.AST, prefix: str = ""):
             yield from functions(node, prefix)
 
 
+@pytest.mark.launch
 def test_no_application_function_is_over_60_lines():
     long = []
     for path in application_files():
@@ -210,6 +216,7 @@ def issue_citations(text: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+@pytest.mark.launch
 def test_no_dash_split_of_strategy_names_and_no_issue_numbers_in_application_code():
     problems = []
     for path in application_files():

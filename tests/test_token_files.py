@@ -52,6 +52,7 @@ def prepared(tmp_path_factory, corpus):
     return root, text[:cut], text[cut:]
 
 
+@pytest.mark.launch
 def test_prepare_streams_the_tokenizers_ids_into_shards_with_a_line_break_val_split(prepared, tmp_path, capsys):
     root, a, c = prepared
     gpt2, char = GPT2Tokenizer(), CharTokenizer.from_corpus(a + c)
@@ -79,6 +80,7 @@ def test_prepare_streams_the_tokenizers_ids_into_shards_with_a_line_break_val_sp
     assert "does not match its sha256" in capsys.readouterr().err
 
 
+@pytest.mark.launch
 def test_batches_from_shards_equal_the_in_memory_ones_at_every_dp_size(prepared):
     root, _, _ = prepared
     rec = json.loads((root / "gpt2" / SIDECAR).read_text())
@@ -113,6 +115,7 @@ class Unpickled:
         return (Path(self.marker).touch, ())
 
 
+@pytest.mark.launch
 def test_a_1gb_token_file_trains_without_resident_memory_growing_with_it(tmp_path):
     """Two launches differ only in the size of train.bin (sparse: no disk or page cache filled): the
     1 GB one's peak resident memory may exceed the 100 KB one's by < 10% of the file. What does grow
@@ -233,6 +236,7 @@ BAD_CORPORA = {
 }
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("case", list(BAD_CORPORA))
 def test_bad_token_corpus_is_one_line_exit_2_and_leaves_the_run_alone(case, prepared, token_run, tmp_path, capsys):
     root, _, _ = prepared
@@ -252,6 +256,7 @@ def test_bad_token_corpus_is_one_line_exit_2_and_leaves_the_run_alone(case, prep
     assert digests(run) == before
 
 
+@pytest.mark.launch
 def test_the_same_corpus_elsewhere_resumes_and_python_main_py_says_one_line(prepared, token_run, tmp_path, capsys):
     root, _, _ = prepared
     run, before = token_run
@@ -265,6 +270,7 @@ def test_the_same_corpus_elsewhere_resumes_and_python_main_py_says_one_line(prep
     assert "Traceback" not in r.stdout + r.stderr and digests(run) == before
 
 
+@pytest.mark.launch
 def test_a_char_run_refuses_a_corpus_of_another_vocabulary(prepared, tmp_path, capsys):
     """The ids of a char corpus mean the characters of its own vocabulary: a run folder that learned
     another mapping (its tokenizer.json) is refused, even where every shard is intact."""
@@ -283,6 +289,7 @@ def test_a_char_run_refuses_a_corpus_of_another_vocabulary(prepared, tmp_path, c
     assert digests(run) == before
 
 
+@pytest.mark.launch
 def test_open_reads_only_what_the_sidecar_names(prepared):
     """The corpus opens from its folder or its corpus.json, and its identity is the recorded hash."""
     root, _, _ = prepared
@@ -295,6 +302,7 @@ def test_open_reads_only_what_the_sidecar_names(prepared):
 # ----------------------------------------------------------------------------- prepare.py bad input
 
 
+@pytest.mark.launch
 def test_prepare_bad_input_is_one_line_exit_2_and_leaves_no_shards(tmp_path, capsys):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "good.txt").write_text("First Citizen:\nSpeak.\n" * 5000, encoding="utf-8")

@@ -152,11 +152,13 @@ def four(tmp_path_factory):
     return out
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", list(TWO) + list(TWO_UNTIED))
 def test_parity_two_processes(references, two, name):
     assert_case(references[reference_of(name)], load_case(two, name), name)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", list(FOUR))
 def test_parity_four_processes(references, four, name):
     assert_case(references[reference_of(name)], load_case(four, name), name)
@@ -186,6 +188,7 @@ def test_sequence_parallel_layer_norm_gradients_settle_in_one_all_reduce():
         dist.destroy_process_group()
 
 
+@pytest.mark.launch
 def test_app_trains_evaluates_samples_exports_and_reshards(four, tmp_path):
     """main.py at tp=2 x pp=2 (interleaved, vocab-parallel) writes what one process writes, and
     its pp x tp snapshot resumes in one process."""

@@ -119,6 +119,7 @@ def offline_runs(run_dir: Path) -> list[Path]:
 # ----------------------------------------------------------------------------- single process
 
 
+@pytest.mark.launch
 def test_offline_run_logs_everything_and_resume_continues_the_same_run(tmp_path):
     """Launch 1: 10 steps, snapshots at 5 and 10. Then the step-10 snapshot is deleted: the same
     state as a crash after step 10 was logged but before it was saved. Launch 2 (15 steps)
@@ -165,6 +166,7 @@ def test_offline_run_logs_everything_and_resume_continues_the_same_run(tmp_path)
     assert_no_secret(run_dir, first.stdout, first.stderr, second.stdout, second.stderr)
 
 
+@pytest.mark.launch
 def test_unreachable_wandb_does_not_stop_training(tmp_path):
     """No wandb.mode and no WANDB_MODE, but an API key: online, against a closed local port."""
     run_dir = tmp_path / "run"
@@ -216,6 +218,7 @@ def corpus_behind_credentials():
     server.server_close()
 
 
+@pytest.mark.launch
 def test_two_process_run_has_one_finished_wandb_run_and_no_secret(tmp_path, corpus_behind_credentials):
     """One launch (launches cost seconds of imports) for the 2-process checks: one wandb run, written
     by the tracker rank only; and two faults once seen: (1) the corpus has no "\n", which the
