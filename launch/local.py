@@ -42,6 +42,10 @@ DEVICE_ENV = "MINGPT_TEST_DEVICE"
 DEVICE = os.environ.get(DEVICE_ENV, "cpu")
 
 
+class NotEnoughGPUs(RuntimeError):
+    """A cuda launch with more ranks than this machine has GPUs (the test suite leaves it out, by name)."""
+
+
 def device_overrides(device: str = DEVICE) -> list[str]:
     """Config overrides of every local run on `device`. On cpu none:
     trainer.device stays `auto`, which finds no GPU (device_env hides them), so a cpu run is CI's
@@ -107,8 +111,8 @@ def torchrun(nproc: int, script_and_args: list[str], timeout: float = 300, cwd: 
     """Run `script_and_args` on `nproc` local ranks, holding the machine-wide lock; output captured.
     A launch that outlives `timeout` seconds is killed (subprocess.TimeoutExpired)."""
     if DEVICE == "cuda" and nproc > torch.cuda.device_count():
-        raise RuntimeError(f"this launch has {nproc} ranks and NCCL needs one GPU per rank, but torch sees "
-                           f"{torch.cuda.device_count()} GPUs: run it on a machine with {nproc} or more")
+        raise NotEnoughGPUs(f"this launch has {nproc} ranks and NCCL needs one GPU per rank, but torch sees "
+                            f"{torch.cuda.device_count()} GPUs: run it on a machine with {nproc} or more")
     with multiprocess_lock():
         return subprocess.run(torchrun_argv(nproc, script_and_args, extra_torchrun), cwd=cwd,
                               env=child_env(**env), capture_output=True, text=True, timeout=timeout)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import device_problem
-from launch.local import CORPUS, REPO, TIKTOKEN_DIR, TINY, device_env, python, torchrun
+from launch.local import CORPUS, DEVICE_ENV, REPO, TIKTOKEN_DIR, TINY, NotEnoughGPUs, device_env, python, torchrun
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 # Before CUDA starts in this process (it starts lazily): the tests that train in this process see
@@ -120,6 +120,28 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     return (yield from _guarded(item))
+
+
+LEFT_OUT: list[str] = []  # a cuda session's tests whose launch needs more GPUs than it has
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A cuda session on fewer GPUs than a launch's ranks: that test is left out (reported as a skip
+    naming the GPUs it needs, and listed at the end), the others run. Never on the CPU: there every
+    launch fits."""
+    report = yield
+    if call.excinfo is not None and call.excinfo.errisinstance(NotEnoughGPUs) and report.failed:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"left out: {call.excinfo.value}")
+        LEFT_OUT.append(item.nodeid)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LEFT_OUT:
+        terminalreporter.write_line(f"{DEVICE_ENV}=cuda left out {len(LEFT_OUT)} tests whose launches need more GPUs "
+                                    f"than the {torch.cuda.device_count()} here: {', '.join(LEFT_OUT)}")
 
 
 # ----------------------------------------------------------------------------- fixtures

@@ -2,7 +2,8 @@
 machine-wide lock, the tiny config, the device switch; shared with benchmarks/) and costs/parity.py
 (K steps of a layout against one process):
 
-- the suite's device check: a cuda session needs SUITE_GPUS GPUs (tests/conftest.py refuses one
+- the suite's device check: a cuda session needs a GPU (tests/conftest.py refuses one without);
+  it runs every launch that fits its GPUs and lists the ones it left out (one GPU per NCCL rank);
   with fewer before any test runs);
 - training in this process through main.main (`app_in_process`);
 - reading what a run folder holds: metrics rows, logged steps, model.pt's tensors;
@@ -26,22 +27,20 @@ import torch
 
 from launch.local import DEVICE, DEVICE_ENV, REPO, child_env, multiprocess_lock
 
-# The widest launches of the suite have 8 ranks (test_default_config, the 2x2x2 mesh of
-# test_mesh_2x2x2); NCCL refuses two ranks on one GPU, so a cuda session needs 8 GPUs.
-SUITE_GPUS = 8
 # How main.py's start-up line names global rank 0's device ("| device cpu").
 SHOWN_DEVICE = "cuda:0" if DEVICE == "cuda" else "cpu"
 
 
 def device_problem(device: str = DEVICE) -> str | None:
-    """Why the suite cannot run on `device` (MINGPT_TEST_DEVICE) here; None when it can."""
+    """Why the suite cannot run on `device` (MINGPT_TEST_DEVICE) here; None when it can. A cuda
+    session on fewer GPUs than a launch's ranks runs the rest and leaves that launch out, by name
+    (launch/local.py NotEnoughGPUs, tests/conftest.py)."""
     if device not in ("cpu", "cuda"):
         return f"{DEVICE_ENV}={device} is not one of cpu, cuda"
     gpus = torch.cuda.device_count() if device == "cuda" and torch.cuda.is_available() else 0
-    if device == "cuda" and gpus < SUITE_GPUS:
-        return (f"{DEVICE_ENV}=cuda runs the suite on {SUITE_GPUS} GPUs (one per rank of its 8-rank launches, "
-                f"NCCL) but torch {torch.__version__} sees {gpus}: run it on a machine with {SUITE_GPUS} GPUs, "
-                f"or unset {DEVICE_ENV} to run it on the CPU")
+    if device == "cuda" and gpus == 0:
+        return (f"{DEVICE_ENV}=cuda runs the suite on this machine's GPUs but torch {torch.__version__} sees none: "
+                f"run it on a machine with a GPU, or unset {DEVICE_ENV} to run it on the CPU")
     return None
 
 
