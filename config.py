@@ -8,6 +8,7 @@ parallel/options.py, corpus/kinds.py, observe/wandb_limits.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -201,13 +202,11 @@ def _coerce(key: str, value, ftype):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         raise UsageError(f"config key '{key}' must be a number, got {value!r}")
     if ftype is str:
-        if value is None:
+        if value is None:  # YAML's empty value
             return ""
         if isinstance(value, (dict, list)):
             raise UsageError(f"config key '{key}' must be a string, got {value!r}")

@@ -208,7 +208,8 @@ class HangWatchdog:
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
         self.local_rank, self.distributed, self.run_dir = local_rank, distributed, run_dir
         self.host = socket.gethostname()
-        self.limit_s = BUDGET_SHARE * pg_timeout().total_seconds()
+        # one process has no process group to time out: no limit
+        self.limit_s = BUDGET_SHARE * pg_timeout().total_seconds() if distributed else float("inf")
         if timeout_s > self.limit_s and rank == 0:
             print(f"warning: trainer.hang_timeout_s={timeout_s:g} is above {BUDGET_SHARE:g} x the process-group "
                   f"timeout ({pg_timeout().total_seconds():g} s, MINGPT_PG_TIMEOUT), where a stuck collective "
@@ -271,9 +272,10 @@ class HangWatchdog:
             return None
 
     def budget(self, beat: Beat) -> float:
-        """Seconds without a step before the watchdog fires; never past BUDGET_SHARE of the process
-        group's timeout, so that it fires (and names the stuck rank) before a collective times out:
-        on NCCL that timeout aborts every rank with no line."""
+        """Seconds without a step before the watchdog fires; under torchrun never past BUDGET_SHARE of
+        the process group's timeout, so that it fires (and names the stuck rank) before a collective
+        times out: on NCCL that timeout aborts every rank with no line. A phase that may take longer
+        on every rank (a first compile, a save of a large model) needs a larger MINGPT_PG_TIMEOUT."""
         factor = 1 if beat.phase == "train" else LONG_PHASE_FACTOR
         return min(max(factor * self.timeout_s, SLOW_STEP_FACTOR * self._slowest), self.limit_s)
 

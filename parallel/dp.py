@@ -72,4 +72,12 @@ class DataParallelStrategy(Strategy):
                           f"{self.device} (nn.DataParallel needs 2+ GPUs to split the batch)", stacklevel=2)
             return model
         # The parameters must live on device_ids[0] = the current device (pick_device set it).
-        return nn.DataParallel(AutocastForward(model, self.cfg, self.device), device_ids=ids, output_device=ids[0])
+        replicated = nn.DataParallel(AutocastForward(model, self.cfg, self.device), device_ids=ids, output_device=ids[0])
+        if not self.cfg.trainer.compile:
+            return replicated
+        # parallelize compiled each block in place, but nn.DataParallel's replicas copy a block's
+        # __dict__, and with it the compiled call bound to the block on GPU 0: the replica on GPU 1
+        # would run GPU 0's weights. So here the blocks run eager and the whole wrapper is compiled.
+        for block in model.blocks.values():
+            block._compiled_call_impl = None
+        return torch.compile(replicated)

@@ -108,6 +108,8 @@ def time_out_mesh(mesh) -> None:
     timeout: init_device_mesh's sub-groups get the backend's default (30 min on gloo), so a hang in
     a sub-group would outwait the default group's timeout and the hang watchdog's budget."""
     from torch.distributed.distributed_c10d import _set_pg_timeout  # private, torch 2.11-2.13; torchtitan uses it
+    if dist.get_backend() == "fake":  # the dry run's simulated ranks: no timeout to set
+        return
     names = {*(mesh.mesh_dim_names or ()), *getattr(mesh, "_flatten_mapping", {})}  # the flattened: e.g. HSDP's "dp"
     for name in sorted(names):
         _set_pg_timeout(pg_timeout(), mesh.get_group(name))

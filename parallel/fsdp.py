@@ -72,9 +72,12 @@ class FSDPStrategy(Strategy):
 
     @property
     def wraps(self) -> bool:
-        """Does fully_shard run? With more than one dp rank; with one only for CPU offload (a model
-        kept in host memory and streamed to the GPU: the one-GPU use of FSDP), which needs a mesh."""
-        return self.dp_size > 1 or (self.cfg.parallel.cpu_offload and self.mesh is not None)
+        """Does fully_shard run? With more than one dp rank; in a world of one process only for CPU
+        offload (a model kept in host memory and streamed to the GPU: the one-GPU use of FSDP), which
+        needs a process group (torchrun --nproc_per_node=1). Layouts with tp or pp and one dp rank stay
+        unwrapped: their stage shapes, grad scaler and plan assume no FSDP at dp 1."""
+        return self.dp_size > 1 or (self.cfg.parallel.cpu_offload and self.mesh is not None
+                                    and self.env.world_size == 1)
 
     @property
     def compute_precision(self) -> str:
@@ -89,7 +92,9 @@ class FSDPStrategy(Strategy):
         if self.dp_size == 1 and self.wraps:
             return f"{self.name} (one data-parallel rank: FSDP2 for the cpu offload only)"
         if self.dp_size == 1:
-            return f"{self.name} (one data-parallel rank: nothing to shard)"
+            offload = (", parallel.cpu_offload runs only in a one-process torchrun launch"
+                       if self.cfg.parallel.cpu_offload else "")
+            return f"{self.name} (one data-parallel rank: nothing to shard{offload})"
         p, lay = self.cfg.parallel, self.layout
         extras = [f"params {p.mixed_precision}, reduce {p.reduce_dtype}"] if p.mixed_precision != "none" else []
         if lay.dp_replicate > 1:

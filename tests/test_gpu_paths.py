@@ -79,9 +79,11 @@ def test_the_watchdog_fires_before_the_process_group_times_out(monkeypatch):
     the watchdog's budget (4 x hang_timeout_s for start-up, saves, evaluation) must end before it.
     Before, 4 x 300 s = 1,200 s against a 600 s timeout."""
     monkeypatch.setattr(parallel.env, "_PG_TIMEOUT", datetime.timedelta(seconds=600))
-    dog = watchdog.HangWatchdog(300, 1, 2, 0, False, REPO)
+    dog = watchdog.HangWatchdog(300, 1, 2, 0, True, REPO)
     assert dog.budget(watchdog.Beat(0, "start-up", 0.0)) == 480 < 600
     assert dog.budget(watchdog.Beat(5, "train", 0.0)) == 300
+    alone = watchdog.HangWatchdog(300, 0, 1, 0, False, REPO)  # one process: no group to time out
+    assert alone.budget(watchdog.Beat(0, "start-up", 0.0)) == 1200
 
 
 def _group_timeouts(rank: int, path: str, out: str) -> None:
@@ -170,6 +172,23 @@ def test_compile_takes_each_block_before_the_data_parallel_engine(monkeypatch):
     runner = parallelize(gpt, cfg, Layout.of(cfg, 1), None, DistEnv(), engine)
     assert seen == [[True, True]]  # compiled before the engine saw them
     assert runner.model is gpt and gpt._compiled_call_impl is None  # the whole model is not compiled
+
+
+def test_nn_dataparallel_with_compile_compiles_the_wrapper_not_the_blocks(monkeypatch):
+    """nn.DataParallel's replicas copy each block's __dict__, so a block compiled in place would run
+    GPU 0's weights on GPU 1: under dp the blocks run eager and the whole wrapper is compiled."""
+    from model import GPT, GPTConfig
+    from parallel.dp import DataParallelStrategy
+    cfg = load_config(None, ["trainer.compile=true", "parallel.strategy=dp"])
+    strategy = DataParallelStrategy(cfg, DistEnv())
+    monkeypatch.setattr(DataParallelStrategy, "gpu_ids", property(lambda self: [0, 1]))
+    monkeypatch.setattr(nn, "DataParallel", lambda module, device_ids, output_device: module)
+    gpt = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    for block in gpt.blocks.values():
+        block.compile()
+    wrapped = strategy.wrap_data_parallel(gpt)
+    assert all(block._compiled_call_impl is None for block in gpt.blocks.values())
+    assert isinstance(wrapped, torch._dynamo.eval_frame.OptimizedModule)
 
 
 @pytest.mark.launch
