@@ -37,7 +37,7 @@ from observe.perf import Peak, set_fp32_matmul_mode
 from observe.profiling import StepProfiler
 from observe.replicas import check_replicas
 from observe.step_metrics import CudaPeaks, RunSummary, StepWindow, memory_row
-from observe.stragglers import StragglerWatch
+from observe.stragglers import GpuBlockClock, StragglerWatch
 from observe.tracker import NullTracker, Progress, RunTracker
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
 from snapshots.meta import SnapshotMeta
@@ -94,7 +94,10 @@ class Trainer:
         self.watchdog = HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,
                                      env.distributed, run_dir)
         self.profiler = StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device)
-        self.stragglers = StragglerWatch(env.rank, env.world_size, env.local_rank, env.distributed, strategy.is_tracker)
+        gpu_clock = GpuBlockClock([b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]) \
+            if strategy.device.type == "cuda" else None  # a GPU's own time: observe/stragglers.py
+        self.stragglers = StragglerWatch(env.rank, env.world_size, env.local_rank, env.distributed, strategy.is_tracker,
+                                         gpu_clock)
 
     def _tracker_peak_label(self) -> str:
         """The peak is looked up on the tracker rank only (it may measure); every rank learns its label."""

@@ -5,14 +5,22 @@ a shared core slows every step, and metrics.jsonl's step_time_ms cannot say whos
 differs is each rank's own compute time: the wall time of its forward, backward and optimizer work
 minus the time it sat blocked in collectives waiting for the others.
 
-Measured here from the training thread's scheduler counters (Linux /proc/thread-self/schedstat):
+On a CPU it is measured from the training thread's scheduler counters (Linux /proc/thread-self/schedstat):
 time on a CPU plus time runnable but waiting for one (a core shared with another process), summed
 over the window's train steps. A thread blocked in a collective sleeps and counts neither, so the
 fast ranks' waiting drops out. CPU time alone would not do: a rank that shares its core with a busy
 process needs the same CPU time per step but twice the wall time. Limits: this counts the
 training thread only (trainer threads > 1 split the math over OpenMP workers, whose spin-waiting
-would be noise: the tests and the ddp-on-CPU layouts run one thread per rank), and on CUDA it
-measures the host's launch work, not the kernels.
+would be noise: the tests and the ddp-on-CPU layouts run one thread per rank).
+
+On a GPU the host thread only launches kernels and then waits, for its own GPU and for its peers
+alike, so its clock would make every rank look the same. There the figure is the GPU time of the
+transformer blocks' forward passes (`GpuBlockClock`: a CUDA event pair around each block's forward,
+recorded by module hooks, read on log steps, when the step loop has synchronized anyway). The hooks
+run after FSDP2's pre-forward hook (it waits for the all-gather) and after its post-forward hook, so
+the waits for peers stay outside; what stays inside is the block's own math, and under tensor
+parallelism its all-reduces (a tp peer's wait is counted there). A slow GPU is slow in forward as in
+backward, so the forward's spread names it.
 
 On log steps the per-step figures of every rank are gathered in one small collective (one float per
 rank, on the control group); the row gets compute_ms_min / _median / _max and compute_slowest_rank,
@@ -56,16 +64,51 @@ def thread_clock_ns() -> int:
         return time.thread_time_ns()
 
 
-class StragglerWatch:
-    """One per rank: `timed()` around each train step, `row(step)` (collective) on log steps."""
+class GpuBlockClock:
+    """GPU milliseconds of the blocks' forward passes since the last read: a CUDA event pair around
+    each block's forward (module hooks; `event` makes one: torch.cuda.Event(enable_timing=True))."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, distributed: bool, announce: bool):
+    def __init__(self, blocks: list[torch.nn.Module], event=None):
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._pairs: list[tuple] = []
+        self._open: dict[int, object] = {}
+        for block in blocks:  # registered after the data-parallel engine's own hooks: they run first
+            block.register_forward_pre_hook(self._start)
+            block.register_forward_hook(self._stop)
+
+    # Outside any compiled graph (a block compiled in place traces its hooks): a graph break at the
+    # block's edges, its body stays one graph.
+    @torch.compiler.disable
+    def _start(self, module, args) -> None:
+        self._open[id(module)] = start = self._event()
+        start.record()
+
+    @torch.compiler.disable
+    def _stop(self, module, args, output) -> None:
+        end = self._event()
+        end.record()
+        self._pairs.append((self._open.pop(id(module)), end))
+
+    def read_ms(self) -> float:
+        """The milliseconds since the last read (the events must have completed: read after a sync)."""
+        total = sum(start.elapsed_time(end) for start, end in self._pairs)
+        self._pairs.clear()
+        return total
+
+
+class StragglerWatch:
+    """One per rank: `timed()` around each train step, `row(step)` (collective) on log steps. With a
+    `gpu_clock` (a GPU run) the figure is its blocks' forward GPU time instead of the thread clock."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, distributed: bool, announce: bool,
+                 gpu_clock: GpuBlockClock | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.distributed, self.announce = distributed, announce  # announce: this rank prints the warnings
         self._ns, self._steps = 0, 0
         self._slow_for: dict[int, int] = {}  # rank -> consecutive slow windows
         self._warned: set[int] = set()
         self._who: list[tuple[str, int]] | None = None
+        self.gpu_clock = gpu_clock
 
     @contextmanager
     def timed(self):
@@ -78,7 +121,8 @@ class StragglerWatch:
 
     def row(self, step: int) -> dict:
         """Collective. The spread of per-step compute time over ranks in this log window."""
-        mine = self._ns / max(1, self._steps) / 1e6
+        ns = self.gpu_clock.read_ms() * 1e6 if self.gpu_clock is not None else self._ns
+        mine = ns / max(1, self._steps) / 1e6
         self._ns, self._steps = 0, 0
         if not self.distributed:
             return {"compute_ms_min": mine, "compute_ms_median": mine, "compute_ms_max": mine,

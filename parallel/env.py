@@ -23,6 +23,7 @@ DEFAULT_PG_TIMEOUT_S = 600.0  # every process group's; MINGPT_PG_TIMEOUT overrid
 # `python -m torch.distributed.flight_recorder.fr_trace <run_dir> --prefix nccl_trace_rank_`
 NCCL_DUMP_PREFIX = "nccl_trace_rank_"
 _PG_TIMEOUT = datetime.timedelta(seconds=DEFAULT_PG_TIMEOUT_S)
+GPU_GROUP_BACKEND = "cpu:gloo,cuda:nccl"  # every process group of a GPU run: NCCL for CUDA tensors, gloo for CPU ones
 
 
 def restart_count() -> int:
@@ -130,7 +131,7 @@ def init_distributed(cfg: Config, timeout_s: float | None = None, config_file: s
     _PG_TIMEOUT = timeout
     # On CUDA, CPU tensors get gloo in the same group: FSDP2's CPU offload keeps the sharded gradients
     # on the CPU and the gradient norm all-reduces them; NCCL alone refuses CPU tensors (pytorch#148532).
-    group_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+    group_backend = GPU_GROUP_BACKEND if backend == "nccl" else backend
     if cfg.trainer.hang_timeout_s or backend == "nccl":  # the hang watchdog reads it (launch/watchdog.py); NCCL dumps it
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     if backend == "nccl":  # read when the NCCL group starts (the dump's file name: when it dumps)

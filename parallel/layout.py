@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from config import Config, UsageError
-from parallel.env import time_out_mesh
+from parallel.env import GPU_GROUP_BACKEND, time_out_mesh
 from parallel.options import Engine, world_size_problem
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -200,12 +200,17 @@ class Layout:
         the same coordinate as without HSDP: the batch split does not change)."""
         if not distributed:
             return None
-        if self.dp_replicate == 1:
-            mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
-        else:
-            mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                    mesh_dim_names=HSDP_MESH_DIMS)
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan does the same (private API, torch 2.13)
+        names = MESH_DIMS if self.dp_replicate == 1 else HSDP_MESH_DIMS
+        shape = (self.pp, self.dp, self.tp) if self.dp_replicate == 1 else (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        # On CUDA every sub-group gets gloo beside NCCL, as the default group has (parallel/env.py):
+        # CPU tensors cross sub-groups too (FSDP2's CPU-offloaded gradients in the norm over dp).
+        # Left to itself, init_device_mesh splits the default group's NCCL communicator
+        # (split_group), and the sub-groups have NCCL alone.
+        gpu = device_type == "cuda"
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names,
+                                backend_override={name: GPU_GROUP_BACKEND for name in names} if gpu else None)
+        if self.dp_replicate > 1:  # torchtitan flattens the same way (private API, torch 2.13)
+            mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=GPU_GROUP_BACKEND if gpu else None)
         time_out_mesh(mesh)
         return mesh
 

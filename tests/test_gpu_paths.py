@@ -113,6 +113,58 @@ def test_every_process_group_of_a_launch_has_its_timeout(tmp_path):
     assert json.loads(out.read_text()) == {k: 42.0 for k in ("pp", "dp_replicate", "dp_shard", "tp", "dp", "new_group")}
 
 
+def test_a_gpu_mesh_gives_every_sub_group_gloo_beside_nccl(monkeypatch):
+    """Left to itself, init_device_mesh on CUDA splits the default group's NCCL communicator
+    (split_group), and the sub-groups have NCCL alone: CPU tensors (FSDP2's CPU-offloaded gradients
+    in the norm over dp) cannot cross them. torch's calls recorded, nothing started."""
+    import parallel.layout
+    asked = []
+
+    class Mesh:
+        def __getitem__(self, names):
+            return self
+
+        def _flatten(self, name, backend_override=None):
+            asked.append((name, backend_override))
+
+    monkeypatch.setattr(parallel.layout, "init_device_mesh",
+                        lambda device, shape, mesh_dim_names, backend_override: asked.append(backend_override) or Mesh())
+    monkeypatch.setattr(parallel.layout, "time_out_mesh", lambda mesh: None)
+    cfg = load_config(None, ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "trainer.batch_size=4"])
+    Layout.of(cfg, 4).build_mesh("cuda", True)
+    assert asked == [{name: "cpu:gloo,cuda:nccl" for name in ("pp", "dp_replicate", "dp_shard", "tp")},
+                     ("dp", "cpu:gloo,cuda:nccl")]
+    asked.clear()
+    Layout.of(cfg, 4).build_mesh("cpu", True)  # CPU runs: gloo alone, as before
+    assert asked == [None, ("dp", None)]
+
+
+class _FakeEvent:
+    """A CUDA event on the CPU: each pair spans 2.5 ms."""
+
+    def record(self):
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return 2.5
+
+
+def test_on_a_gpu_the_straggler_figure_is_the_blocks_forward_gpu_time():
+    """On a GPU the training thread's clock counts kernel launches and waiting, the same on every
+    rank: the figure is the GPU time of each block's forward (an event pair per block, from module
+    hooks), per step, spread over ranks as on the CPU."""
+    from model import GPT, GPTConfig
+    from observe.stragglers import GpuBlockClock, StragglerWatch
+    gpt = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    clock = GpuBlockClock(list(gpt.blocks.values()), event=_FakeEvent)
+    watch = StragglerWatch(0, 1, 0, False, announce=False, gpu_clock=clock)
+    for _ in range(2):  # two steps, each one forward of 3 blocks
+        with watch.timed():
+            gpt(torch.randint(0, 65, (2, 8)))
+    assert watch.row(step=2)["compute_ms_median"] == 3 * 2.5  # per step
+    assert clock.read_ms() == 0.0  # read and cleared on the log step
+
+
 def test_mfu_divides_by_the_peak_of_the_dtype_fsdp_computes_in():
     """parallel.mixed_precision=bf16 under trainer.precision=fp32: FSDP casts the parameters, the
     matmuls run in bf16, so MFU's peak is bf16's (before: fp32's, MFU about 2x too high on a GPU)."""
