@@ -1,6 +1,14 @@
 """The GPT-2-style decoder: one readable file, no parallelism in it.
 
 Owns `GPTConfig`, the modules, GPT-2 initialisation, generation and the FLOP count for MFU.
+
+Initialisation is one tensor at a time, each parameter from a generator of its own seeded from
+(trainer.seed, the parameter's name) (`initial_tensor`): a rank that holds a slice of a parameter
+(a pipeline stage, a tensor-parallel or FSDP shard) computes the whole tensor and keeps its slice,
+so every layout starts from exactly the weights one process starts from, and no rank ever needs
+the whole model at once (parallel/materialize.py builds it on the meta device and fills each
+rank's share). The price: a rank generates every parameter it holds a slice of (under FSDP, all of
+them), one at a time, on the CPU.
 Two design choices exist for the parallel code in `parallel/`:
 - q, k and v are three separate Linear layers, not one fused [3C, C] layer: a column-wise TP
   split of a fused layer would hand rank 0 all of q and half of k (silently wrong attention);
@@ -12,6 +20,7 @@ Two design choices exist for the parallel code in `parallel/`:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -126,7 +135,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, seed: int = 0):
+        """`seed`: the initial weights' (trainer.seed; initial_tensor)."""
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -137,22 +147,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        # GPT-2: N(0, 0.02) everywhere; residual projections N(0, 0.02 / sqrt(2 L)) because each
-        # block adds two of them to the residual stream and its variance would grow with depth.
-        if isinstance(module, nn.Linear):
-            residual = getattr(module, "residual_scale", False)
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
-            if residual and self.cfg.zero_init_proj:
-                nn.init.zeros_(module.weight)
-            else:
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if not self.ln_f.weight.is_meta:  # built on the meta device: parallel/materialize.py fills it
+            init_weights(self, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V). A pipeline stage without the embedding takes
@@ -212,6 +208,44 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
+
+
+# ----------------------------------------------------------------------------- initial weights
+
+
+def stable_seed(seed: int, name: str) -> int:
+    """A generator seed of (seed, name), the same in every process and Python (not the salted hash())."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def initial_tensor(model: nn.Module, name: str, seed: int) -> torch.Tensor:
+    """The whole initial value (fp32, on the CPU) of `model`'s parameter `name`, a GPT or a pipeline
+    stage of one (same names). GPT-2: N(0, 0.02) for embeddings and linear weights; the residual
+    projections N(0, 0.02 / sqrt(2 L)), since each block adds two of them to the residual stream and
+    its variance would grow with depth (zero with zero_init_proj); biases 0, LayerNorm weights 1. The
+    tied head is the token embedding (one name, tok_emb.weight, even on a stage that holds only the head)."""
+    cfg = model.cfg
+    if cfg.tie_weights and name == "lm_head.weight":
+        name = "tok_emb.weight"
+    module_name, _, kind = name.rpartition(".")
+    module = model.get_submodule("lm_head" if module_name == "tok_emb" and model.tok_emb is None else module_name)
+    shape = tuple(getattr(module, kind).shape)
+    if isinstance(module, nn.LayerNorm):
+        return torch.ones(shape) if kind == "weight" else torch.zeros(shape)
+    if kind == "bias":
+        return torch.zeros(shape)
+    residual = getattr(module, "residual_scale", False)
+    if residual and cfg.zero_init_proj:
+        return torch.zeros(shape)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(stable_seed(seed, name)))
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Every parameter of a whole (materialised, unsplit) model set to its initial_tensor."""
+    for name, p in model.named_parameters():  # a tied tensor once, under its first name
+        p.copy_(initial_tensor(model, name, seed))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -18,16 +18,16 @@ from corpus.kinds import token_corpus_kind
 from corpus.text import FALLBACK_RUN_DIR, FALLBACK_SOURCE, load_corpus
 from corpus.token_files import corpus_tokenizer, open_token_corpus
 from corpus.tokenizers import TOKENIZER_FILE, build_tokenizer, load_tokenizer_record
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, initial_tensor
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
-from snapshots.pretrained import Source, check_shape, check_tokenizer, load_initial, open_source
+from snapshots.pretrained import Source, check_shape, check_tokenizer, initial_weights, open_source
 from snapshots.validate import list_snapshots
 from trainer import Trainer, seed_rng
 
 
 def build_trainer(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str] | None = None) -> Trainer:
-    """Corpus, tokenizer, model (same seed on every rank), strategy and Trainer for `cfg` on this
+    """Corpus, tokenizer, model (the same initial weights in every layout), strategy and Trainer for `cfg` on this
     launch. `corpus`: load_corpus's (text, description) when the caller has loaded it already."""
     strategy = build_strategy(cfg, env)  # layout errors before any work
     stored = load_tokenizer_record(run_dir / TOKENIZER_FILE) if cfg.trainer.resume != "never" else None
@@ -37,15 +37,20 @@ def build_trainer(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, s
     if source is not None:
         stored = check_tokenizer(source, cfg.data.tokenizer, stored)
     data, tok, data_source = _open_data(cfg, env, stored, corpus, source)
-    # ---- model: identical on every rank (same seed, or the same init_from file), then placed by the strategy
-    torch.manual_seed(cfg.trainer.seed)
+    # ---- model: built on the meta device (no storage); the strategy splits and shards it, then
+    # allocates this rank's share and fills it (parallel/materialize.py) from the seed or the file
     gpt_cfg = GPTConfig.of(cfg.model, tok.vocab_size)
-    model = GPT(gpt_cfg)
+    with torch.device("meta"):
+        model = GPT(gpt_cfg)
+    seed = cfg.trainer.seed
     if source is not None:
         check_shape(source, gpt_cfg)
-        load_initial(model, source)
+        weights = initial_weights(model, source)
+        initial = lambda part, name: weights[name]  # noqa: E731
+    else:
+        initial = lambda part, name: initial_tensor(part, name, seed)  # noqa: E731
     cost = model.cost()  # the whole model, before the strategy splits it
-    strategy.setup(model)
+    strategy.setup(model, initial)
     seed_rng(cfg.trainer.seed, 0, strategy.dp_rank)  # dropout: per dp rank, shared by tp peers
     return Trainer(cfg, data, tok, strategy, run_dir, dataclasses.asdict(gpt_cfg), cost, data_source=data_source,
                    init_from=_path_of(source))

@@ -33,6 +33,7 @@ and the module is left as it is.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -78,6 +79,15 @@ class FSDPStrategy(Strategy):
         unwrapped: their stage shapes, grad scaler and plan assume no FSDP at dp 1."""
         return self.dp_size > 1 or (self.cfg.parallel.cpu_offload and self.mesh is not None
                                     and self.env.world_size == 1)
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.wraps
+
+    @property
+    def init_device(self) -> torch.device:
+        """FSDP2's CPU offload keeps the sharded parameters in host memory: they are allocated there."""
+        return torch.device("cpu") if self.wraps and self.cfg.parallel.cpu_offload else self.device
 
     @property
     def compute_precision(self) -> str:

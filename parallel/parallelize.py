@@ -5,6 +5,8 @@
     3. activation checkpointing     every block recomputes its activations in backward
     4. compile                      torch.compile of each block, in place
     5. data parallel    mesh["dp"]  the strategy's engine: DDP, FSDP2, ZeRO, nn.DataParallel
+       (and the weights: the model is built on the meta device; parallel/materialize.py allocates
+       this rank's share and fills it, after FSDP2 shards it or before another engine wraps it)
 
 Why this order: each step works on what the one before produced. The pipeline split copies whole
 blocks, so it comes before anything replaces parameters with DTensors; FSDP2 shards the tp
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -28,17 +31,25 @@ from config import Config
 from model import GPT
 from parallel.env import DistEnv
 from parallel.layout import Layout
+from parallel.materialize import InitialValue, materialize, on_meta
 from parallel.pp import Pipeline, split_stages
 from parallel.step import MicroBatchLoop, StepRunner
 from parallel.tp import apply_tensor_parallel
 
 
 def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None, env: DistEnv,
-                wrap_data_parallel: Callable[[nn.Module], nn.Module]) -> StepRunner:
-    """`model` is built identically on every rank (same seed or the same weights file);
-    `wrap_data_parallel` is the strategy's step 4. Returns this rank's StepRunner."""
+                wrap_data_parallel: Callable[[nn.Module], nn.Module], initial: InitialValue | None = None,
+                shards_parameters: bool = False, init_device: torch.device | None = None) -> StepRunner:
+    """`model`: a GPT on the meta device, filled here with `initial` (parallel/materialize.py) after
+    the engine shards it (`shards_parameters`: FSDP2) or before it wraps a whole replica (the other
+    engines), on `init_device` (the rank's device; the CPU for FSDP2's CPU offload); or a GPT already
+    built with its weights (a dry run's fake tensors, a test's model), moved to the device.
+    `wrap_data_parallel` is the strategy's step 5. Returns this rank's StepRunner."""
     p = cfg.parallel
-    if any(t.device != env.device for t in model.parameters()):  # fake tensors cannot move (a dry run's)
+    deferred = on_meta([model])
+    if deferred and initial is None:
+        raise ValueError("a model on the meta device needs its initial values (initial=)")
+    if not deferred and any(t.device != env.device for t in model.parameters()):  # fake tensors cannot move
         model.to(env.device)
     # 1. pipeline split: this rank's stages by stage id (the whole model is stage 0 without pp)
     stages = split_stages(model, layout, layout.coordinate(env.rank).pp) if layout.pp_enabled else {0: model}
@@ -55,8 +66,14 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
         for part in stages.values():
             for block in part.blocks.values():
                 block.compile()
-    # 5. data parallel, per stage
-    wrapped = [wrap_data_parallel(part) for part in stages.values()]
+    # 5. data parallel, per stage: a sharding engine wraps the meta model and only this rank's
+    # shards are allocated; an engine that holds a whole replica wraps it allocated
+    parts, device = list(stages.values()), init_device or env.device
+    if deferred and not shards_parameters:
+        materialize(parts, device, initial)
+    wrapped = [wrap_data_parallel(part) for part in parts]
+    if deferred and shards_parameters:
+        materialize(parts, device, initial)
     if not layout.pp_enabled:
         return MicroBatchLoop(model, wrapped[0], cfg, env.device, layout.microbatches)
     return Pipeline(stages, wrapped, cfg, layout, mesh, env.device, env.rank)

@@ -35,6 +35,7 @@ from observe.perf import cpu_devices
 from parallel.dtensor import full_tensor, local_tensor, same_layout_groups, settle_partial_grads, storage_id
 from parallel.env import DistEnv, local_world_size
 from parallel.layout import Layout, describe
+from parallel.materialize import InitialValue
 from parallel.muon import MuonWithAdamW, muon_parameter_ids
 from parallel.parallelize import parallelize
 from parallel.scaler import make_grad_scaler
@@ -119,9 +120,20 @@ class Strategy:
 
     # ------------------------------------------------------------------ setup
 
-    def setup(self, model: GPT) -> None:
-        """Place the model on the layout (what it costs whole: GPT.cost, read before this call)."""
-        self._runner = parallelize(model, self.cfg, self.layout, self.mesh, self.env, self.wrap_data_parallel)
+    # Does the engine shard the parameters (FSDP2)? Then it wraps the model on the meta device and
+    # only this rank's shards are ever allocated (parallel/materialize.py).
+    shards_parameters = False
+
+    @property
+    def init_device(self) -> torch.device:
+        """Where this rank's parameters are allocated: its device (FSDP2's CPU offload: the CPU)."""
+        return self.device
+
+    def setup(self, model: GPT, initial: InitialValue | None = None) -> None:
+        """Place the model on the layout (what it costs whole: GPT.cost, read before this call): a
+        GPT on the meta device, filled with `initial` (parallel/materialize.py), or one already built."""
+        self._runner = parallelize(model, self.cfg, self.layout, self.mesh, self.env, self.wrap_data_parallel,
+                                   initial, self.shards_parameters, self.init_device)
 
     @property
     def runner(self) -> StepRunner:

@@ -260,9 +260,10 @@ def _show(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def load_initial(model, src: Source) -> None:
-    """Copy the source's weights into `model` (checked by check_shape). A shorter context keeps
-    the first position embeddings, as GPT-2 itself is cropped for shorter contexts."""
+def initial_weights(model, src: Source) -> dict[str, torch.Tensor]:
+    """The source's weights by `model`'s parameter names, checked against its shapes (`model` may be
+    on the meta device: only names and shapes are read). A shorter context keeps the first position
+    embeddings, as GPT-2 itself is cropped for shorter contexts."""
     weights = dict(src.weights)
     if "pos_emb.weight" in weights:
         weights["pos_emb.weight"] = weights["pos_emb.weight"][:model.cfg.block_size]
@@ -275,7 +276,8 @@ def load_initial(model, src: Source) -> None:
         more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
         raise UsageError(f"model.init_from {src.path} holds tensors that do not fit its model_config "
                          f"({problems[0]}{more}); export it again with python export.py")
-    model.load_state_dict(weights)
+    return weights
+
 
 
 # ----------------------------------------------------------------------------- out
