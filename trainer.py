@@ -26,12 +26,12 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from char_dataset import Batching, TokenDataset
 from config import Config, UsageError
-from launch.faults import poison_if_asked
 from launch.schedule import lr_at, schedule_change, total_steps
 from launch.stop_vote import StopVote
 from launch.stopping import StopRequest
 from launch.watchdog import HangWatchdog
 from model import ModelCost
+from observe import hooks
 from observe.health import FiniteCheck
 from observe.perf import Peak, set_fp32_matmul_mode
 from observe.profiling import StepProfiler
@@ -312,7 +312,7 @@ class Trainer:
             t0 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
             loss, norm = self.train_step()
-            poison_if_asked(self.step, s.env.rank, s.unwrapped()[0])
+            hooks.after_update(self.step, s.env.rank, s.unwrapped()[0])
             self.watchdog.beat(self.step)
             self.finite.note_loss(loss, self.step)
             window.add(self._step_seconds(t0))  # train step only: eval/save excluded

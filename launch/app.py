@@ -21,6 +21,7 @@ import torch.distributed as dist
 from config import Config, UsageError, dump_yaml, load_config
 from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
 from costs.auto import choose_layout
+from launch import faults
 from launch.build import build_trainer, fallback_corpus
 from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
@@ -43,6 +44,7 @@ PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, 
 def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     """One launch. `keep_process_group`: leave the process group up at the end, for a caller that
     runs several launches in one torchrun job (the tests' workers)."""
+    faults.install()  # MINGPT_FAULT's faults into the hook points (observe/hooks.py), before anything runs
     cfg = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                       adopt=adopt_model_shape)
     if any(v is not None for v in (args.world_size, args.device_memory, args.reserve_memory, args.hardware)) \

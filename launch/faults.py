@@ -1,18 +1,21 @@
 """Faults caused on purpose, for the tests: `MINGPT_FAULT=ACTION:WHERE:STEP:RANK[,ACTION:WHERE:STEP:RANK...]`.
 
 STEP may be '*'. Faults fire on the first launch attempt only, so a group that torchrun restarts
-can finish. The places that ask for a fault are the WHEREs: `save` (snapshots/store.py, right
-after a rank wrote its shards of snapshot STEP, the folder still temporary; for `eio`, inside
-that rank's write of them, snapshots/writer.py), `write` (snapshots/writer.py, as a rank starts
-writing its files of snapshot STEP: on a background save, while training goes on) and `update` (trainer.py, right after the
-optimizer step of STEP). Actions: `kill` SIGKILLs that rank; `term` sends it a real SIGTERM; `stop`
-sends it a real SIGSTOP (alive, frozen: a stuck driver); `flip` (at update) flips one bit of one
-element of RANK's first LayerNorm weight (silent data corruption); `block` blocks its training thread on a
-lock forever, outside any collective (a deadlock; its other threads run on); `nan`
-(at update) makes RANK's first weight NaN (only that rank's copy or shard), as a diverged run
-would; `eio` (at save) makes every write of RANK's snapshot files raise OSError(EIO) from the file
-object DCP writes into, as a failing disk or a lost network mount would (this machine cannot cause
-one for real).
+can finish. `install` (called first by launch/app.py's run) puts them into the hook points of
+observe/hooks.py when MINGPT_FAULT is set; each point reads MINGPT_FAULT again when reached. The
+WHEREs are those points: `save` (snapshots/store.py, right after a rank wrote its shards of
+snapshot STEP, the folder still temporary; on a background save snapshots/background.py, once
+every rank's write is done, before rank 0's commit; for `eio`, the `snapshot_filesystem` point:
+inside that rank's write of them, snapshots/writer.py), `write` (snapshots/writer.py, as a rank
+starts writing its files of snapshot STEP: on a background save, while training goes on) and
+`update` (trainer.py, right after the optimizer step of STEP). Actions: `kill` SIGKILLs that rank;
+`term` sends it a real SIGTERM; `stop` sends it a real SIGSTOP (alive, frozen: a stuck driver);
+`flip` (at update) flips one bit of one element of RANK's first LayerNorm weight (silent data
+corruption); `block` blocks its training thread on a lock forever, outside any collective (a
+deadlock; its other threads run on); `nan` (at update) makes RANK's first weight NaN (only that
+rank's copy or shard), as a diverged run would; `eio` (at save) makes every write of RANK's
+snapshot files raise OSError(EIO) from the file object DCP writes into, as a failing disk or a lost
+network mount would (this machine cannot cause one for real).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from observe import hooks
 from parallel.dtensor import local_tensor
 from parallel.env import restart_count
 
@@ -106,3 +110,20 @@ class EIOFileSystem(FileSystem):
     def create_stream(self, path, mode):
         with super().create_stream(path, mode) as stream:
             yield _EIOStream(stream, path) if "w" in mode else stream
+
+
+def eio_filesystem_if_asked(fs: FileSystem, step: int, rank: int) -> FileSystem:
+    """The `snapshot_filesystem` point: EIOFileSystem for the writer of snapshot STEP on RANK when
+    `eio:save:STEP:RANK` is asked for, else `fs` unchanged."""
+    return EIOFileSystem() if fault_asked("save", step, rank) == "eio" else fs
+
+
+def install() -> None:
+    """Put the faults into the hook points of observe/hooks.py when MINGPT_FAULT is set (nothing
+    when it is not, so a handler a test installed stays). Called first by launch/app.py's run."""
+    if not os.environ.get("MINGPT_FAULT"):
+        return
+    hooks.install("save", fault_point)
+    hooks.install("write", fault_point)
+    hooks.install("update", poison_if_asked)
+    hooks.install("snapshot_filesystem", eio_filesystem_if_asked)

@@ -32,7 +32,7 @@ from typing import Callable
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from launch.faults import fault_point
+from observe import hooks
 from parallel.env import new_group
 from snapshots.writer import SnapshotWriter
 from storage.failures import StorageError, os_error_in
@@ -75,7 +75,7 @@ class BackgroundSaves:
         """DCP's thread, once every rank's files are written (DCP's finish gathers them all)."""
         try:
             future.result()
-            fault_point("save", step, self.rank)
+            hooks.at("save", step, self.rank)
             if self.rank == 0:
                 self._commit(tmp, final, record)
         except BaseException as e:  # kept for wait(), which every rank reaches

@@ -53,7 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from config import UsageError
-from launch.faults import fault_point
+from observe import hooks
 from snapshots.background import BackgroundSaves, SaveTiming
 from snapshots.meta import FORMAT_VERSION, META, SnapshotMeta, step_dir_name
 from snapshots.reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
@@ -144,7 +144,7 @@ class SnapshotManager:
             with _quiet_single_process():  # DCP gathers every rank's failure to every rank
                 dcp.save(tensors or {}, storage_writer=SnapshotWriter(tmp, step, self.rank),
                          no_dist=not self.distributed)
-            fault_point("save", step, self.rank)
+            hooks.at("save", step, self.rank)
             self._barrier()  # every rank's shards are on disk
             self._on_rank0(lambda: self._commit(tmp, final, record))
         except (OSError, CheckpointException) as e:

@@ -5,8 +5,9 @@ torch.save, which DCP writes each file with, turns a failed write of its zip con
 RuntimeError ("unexpected pos ...") raised while handling the real OSError (ENOSPC, EIO, ...).
 DCP sends each rank's exception to the others pickled, which drops that context, so the rank that
 met the error raises the OSError itself here and every rank's CheckpointException carries it
-(storage/failures.py finds it). The `eio:save:STEP:RANK` fault (launch/faults.py) swaps in a
-filesystem whose writes fail on that rank only.
+(storage/failures.py finds it). The `eio:save:STEP:RANK` fault (launch/faults.py, through the
+`snapshot_filesystem` hook point of observe/hooks.py) swaps in a filesystem whose writes fail on
+that rank only.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from launch.faults import EIOFileSystem, fault_asked, fault_point
+from observe import hooks
 from snapshots.meta import META
 from storage.failures import os_error_in
 from storage.files import atomic_write_text, fsync_dir, sha256_file
@@ -36,11 +37,10 @@ class SnapshotWriter(FileSystemWriter):
     def __init__(self, path: Path, step: int, rank: int):
         super().__init__(path)
         self.step, self.rank = step, rank
-        if fault_asked("save", step, rank) == "eio":
-            self.fs = EIOFileSystem()
+        self.fs = hooks.snapshot_filesystem(self.fs, step, rank)  # launch/faults.py's eio: one whose writes fail
 
     def write_data(self, plan, planner):
-        fault_point("write", self.step, self.rank)  # a kill or a signal before this rank's files are written
+        hooks.at("write", self.step, self.rank)  # a fault's kill or signal before this rank's files are written
         try:
             return super().write_data(plan, planner)
         except Exception as e:

@@ -28,9 +28,9 @@ import torch
 
 import export
 import main as app
-import snapshots.store as store
 import trainer as trainer_module
 from launch.local import REPO, TINY, child_env, torchrun
+from observe import hooks
 from snapshots.store import list_snapshots, validate_snapshot
 
 pytestmark = [pytest.mark.launch,
@@ -157,17 +157,15 @@ def test_filesystem_turning_read_only_mid_save_then_relaunch_matches(single_unin
     written, before its meta.json: one line, exit 3, snapshot 5 stays the resume point; a relaunch
     while it is read-only stops at start-up; remounted read-write, the same command resumes from 5
     and ends bit-identical."""
-    real = store.fault_point
     run = tmp_path / "run"
     snaps = run / "snapshots"
 
     def read_only_at_save_10(where, step, rank):
         if where == "save" and step == 10:
             remount(snaps, "ro")
-        return real(where, step, rank)
 
     with tmpfs(snaps, "64m"):
-        monkeypatch.setattr(store, "fault_point", read_only_at_save_10)
+        monkeypatch.setitem(hooks.HANDLERS, "save", read_only_at_save_10)
         assert app.main(SINGLE + [f"trainer.run_dir={run}"]) == 3
         err = capsys.readouterr().err
         assert storage_line(err) == (
@@ -177,7 +175,7 @@ def test_filesystem_turning_read_only_mid_save_then_relaunch_matches(single_unin
         assert "Traceback" not in err
         assert_only_valid_snapshots(run, [5])
 
-        monkeypatch.setattr(store, "fault_point", real)
+        monkeypatch.delitem(hooks.HANDLERS, "save")
         assert app.main(SINGLE + [f"trainer.run_dir={run}"]) == 3
         out, err = capsys.readouterr()
         assert storage_line(err).startswith(f"error: cannot write the next snapshot to {snaps} (Read-only file "
@@ -208,13 +206,12 @@ def _without_permission_override():
 # The run loses write permission on its snapshots folder while snapshot 10 is being written.
 _CHMOD_AT_SAVE_10 = """
 import os, sys
-import main, snapshots.store as store
-real = store.fault_point
+import main
+from observe import hooks
 def chmod_at_save(where, step, rank):
     if where == "save" and step == 10:
         os.chmod(os.environ["SNAPSHOTS"], 0o555)
-    return real(where, step, rank)
-store.fault_point = chmod_at_save
+hooks.install("save", chmod_at_save)
 sys.exit(main.main(sys.argv[1:]))
 """
 
@@ -267,7 +264,6 @@ def test_disk_filled_by_another_writer_mid_run_then_relaunch_matches(single_unin
     """Something else fills the disk after step 8: the metrics row of step 10 is one warning (only
     the tracker rank writes rows), the save of step 10 stops the run with the one line (exit 3);
     with the space freed the same command ends bit-identical, every metrics row once."""
-    real = trainer_module.poison_if_asked
     fillers = []
 
     def fill_at_step_8(step, rank, module):
@@ -278,12 +274,11 @@ def test_disk_filled_by_another_writer_mid_run_then_relaunch_matches(single_unin
             with open(metrics, "a") as f:
                 f.write("\n" * (-metrics.stat().st_size % 4096))
             fillers.append(fill(disk))
-        return real(step, rank, module)
 
     with tmpfs(tmp_path / "disk", "64m") as disk:
         run = disk / "run"
         snaps = run / "snapshots"
-        monkeypatch.setattr(trainer_module, "poison_if_asked", fill_at_step_8)
+        monkeypatch.setitem(hooks.HANDLERS, "update", fill_at_step_8)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert app.main(SINGLE + [f"trainer.run_dir={run}"]) == 3
@@ -298,7 +293,7 @@ def test_disk_filled_by_another_writer_mid_run_then_relaunch_matches(single_unin
         assert "Traceback" not in err
         assert_only_valid_snapshots(run, [5])
 
-        monkeypatch.setattr(trainer_module, "poison_if_asked", real)
+        monkeypatch.delitem(hooks.HANDLERS, "update")
         fillers[0].unlink()
         assert app.main(SINGLE + [f"trainer.run_dir={run}"]) == 0
         assert_bit_identical(single_uninterrupted / "model.pt", run / "model.pt")

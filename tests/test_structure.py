@@ -1,8 +1,9 @@
 """The shape of the tree: the application's modules (every .py outside tests/, benchmarks/ and
 docs/) import each other without a cycle, the repository root holds few Python files, no
 application file or function is too long to read in one sitting, strategy names are never taken
-apart with split("-") (parallel.options.Engine names them), and no comment or docstring cites an
-issue number, which a reader of the repository cannot look up."""
+apart with split("-") (parallel.options.Engine names them), no comment or docstring cites an
+issue number, which a reader of the repository cannot look up, and the lower layers reach the
+test faults only through the hook points of observe/hooks.py, which imports nothing of the project."""
 from __future__ import annotations
 
 import ast
@@ -152,6 +153,41 @@ def test_no_import_cycle_among_the_application_modules():
         [cycle[0].source] + [f"{e.target} ({e.source}.py:{e.line}, {e.where})" for e in cycle])
 
 
+# ----------------------------------------------------------------------------- layers
+
+FAULTS = "launch.faults"  # the test faults, installed into the hook points by launch/app.py
+HOOKS = "observe.hooks"  # the hook points the lower layers call
+BELOW_FAULTS = ("parallel", "snapshots", "storage", "corpus", "observe", "model", "char_dataset", "trainer")
+BELOW_LAUNCH = ("snapshots",)  # imports nothing under launch/ at all
+
+
+def _under(module: str, roots: tuple[str, ...]) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in roots)
+
+
+def layer_violations(edges: list[Edge]) -> list[str]:
+    """A lower layer (BELOW_FAULTS) importing launch.faults, snapshots/ importing anything under
+    launch/, and the hook module or its package importing any other project module."""
+    own = {HOOKS, HOOKS.rpartition(".")[0]}
+    found: dict[tuple[str, int], Edge] = {}
+    for e in edges:
+        wrong = ((_under(e.source, BELOW_FAULTS) and e.target == FAULTS)
+                 or (_under(e.source, BELOW_LAUNCH) and _under(e.target, ("launch",)))
+                 or (e.source in own and e.target not in own))
+        seen = found.get((e.source, e.line))
+        if wrong and (seen is None or len(e.target) > len(seen.target)):  # launch.faults, not launch
+            found[(e.source, e.line)] = e
+    return [f"{e.source} imports {e.target} (line {e.line}, {e.where})" for e in found.values()]
+
+
+@pytest.mark.launch
+def test_lower_layers_reach_the_faults_only_through_the_hook_points():
+    edges = import_edges()
+    assert any(e.source == "trainer" and e.target == HOOKS for e in edges), "the scan finds no hook point import"
+    problems = layer_violations(edges)
+    assert not problems, "imports against the layers:\n" + "\n".join(problems)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 
@@ -227,8 +263,9 @@ def test_no_dash_split_of_strategy_names_and_no_issue_numbers_in_application_cod
 
 
 def test_the_checks_see_what_they_look_for():
-    """The scanners above on small samples: a cycle, a TYPE_CHECKING import, a long function, a
-    dash split of a strategy name and an issue citation are found; their harmless look-alikes not."""
+    """The scanners above on small samples: a cycle, a TYPE_CHECKING import, an import against the
+    layers, a long function, a dash split of a strategy name and an issue citation are found; their
+    harmless look-alikes not."""
     a_b = [Edge("a", "b", 1, "module level"), Edge("b", "c", 1, "in f()"), Edge("c", "a", 2, "module level")]
     assert [e.source for e in find_cycle(a_b)] == ["a", "b", "c"]
     assert find_cycle(a_b[:2]) is None
@@ -242,6 +279,12 @@ def test_the_checks_see_what_they_look_for():
             if lines > MAX_FUNCTION_LINES] == ["A.m"]
     code = 'a = strategy.split("-")[1]\nb = cfg.parallel.strategy.partition("-")\nc = date.split("-")\n'
     assert [line for line, _ in dash_splits(ast.parse(code))] == [1, 2]
+    level = "module level"
+    layered = [Edge("snapshots.store", "launch", 5, level), Edge("snapshots.store", "launch.faults", 5, level),
+               Edge("trainer", "launch.faults", 9, level), Edge("trainer", "launch.schedule", 10, level),
+               Edge("observe.hooks", "parallel.env", 3, "in f()"), Edge("observe", "observe.hooks", 1, level),
+               Edge("launch.app", "launch.faults", 1, level)]
+    assert [p.split()[0] for p in layer_violations(layered)] == ["snapshots.store", "trainer", "observe.hooks"]
     cite = "issue" + " 12"  # spelled apart: a grep for issue citations finds none in this file
     text = f'"""Doc ({cite})."""\nx = 1  # see {cite.title()}\ny = "{cite} in a string is no comment"  # pytorch#135712\n'
     assert [line for line, _ in issue_citations(text)] == [1, 2]
