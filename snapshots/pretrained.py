@@ -18,9 +18,12 @@ import difflib
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import safetensors
 import safetensors.torch
 import torch
 
@@ -38,14 +41,35 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias", "tie_weights", "gelu", "act
 BEFORE_THE_KEY = {"gelu": "erf", "activation": "gelu", "qk_norm": False}
 
 
+class LazyTensors(Mapping):
+    """Tensors by name, each read from its file when asked for and not kept: the names and shapes are
+    known without reading any. A rank that fills its share of the model (parallel/materialize.py)
+    then holds one source tensor at a time, never the whole model."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor]):
+        self.shapes, self._read = shapes, read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 @dataclass
 class Source:
     """What model.init_from points at: its GPTConfig fields, tokenizer record and weights
-    (this project's parameter names, float32)."""
+    (this project's parameter names, float32, each read when asked for: a model.pt memory-mapped,
+    a safetensors file opened, not loaded)."""
     path: Path
     model_config: dict
     tokenizer: dict
-    weights: dict[str, torch.Tensor]
+    weights: LazyTensors
     trained_on: str = ""  # the corpus it was trained on, when known (a run's model.pt: its data.path)
 
 
@@ -57,9 +81,11 @@ def open_source(path_text: str) -> Source:
 
 
 def _open_model_pt(path: Path) -> Source:
-    mf = read_model_file(path, who="model.init_from ", fix="give a run's model.pt or a Hugging Face GPT-2 folder")
+    mf = read_model_file(path, who="model.init_from ", fix="give a run's model.pt or a Hugging Face GPT-2 folder",
+                         mmap=True)  # each tensor's pages are read when that tensor is
     trained_on = str(mf.config.get("data", {}).get("path", ""))  # redacted when written (Config.to_dict)
-    return Source(path, mf.model_config, mf.tokenizer, {k: v.float() for k, v in mf.model.items()}, trained_on)
+    weights = LazyTensors({k: tuple(v.shape) for k, v in mf.model.items()}, lambda k: mf.model[k].float())
+    return Source(path, mf.model_config, mf.tokenizer, weights, trained_on)
 
 
 def _open_hf(path: Path) -> Source:
@@ -67,10 +93,11 @@ def _open_hf(path: Path) -> Source:
         raise UsageError(f"model.init_from {path}: {problem}")
 
     cfg, tokenizer = _hf_header(path, refuse)
-    tensors = {}
+    tensors = {}  # name -> (the open file that holds it, its shape): nothing is read yet
     for file in _safetensors_files(path, refuse):
         try:
-            tensors.update(safetensors.torch.load_file(file))
+            handle = safetensors.safe_open(str(file), framework="pt")
+            tensors.update({name: (handle, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()})
         except Exception as e:
             refuse(f"{file.name} is not a readable safetensors file ({type(e).__name__}); download or "
                    f"save it again")
@@ -181,50 +208,60 @@ def _safetensors_files(path: Path, refuse) -> list[Path]:
            "with safe_serialization (the default of save_pretrained)")
 
 
-def _from_hf(tensors: dict, cfg: dict, refuse) -> dict[str, torch.Tensor]:
-    """Hugging Face GPT-2 tensor names and layout -> this model's state dict."""
+def _from_hf(tensors: dict, cfg: dict, refuse) -> LazyTensors:
+    """Hugging Face GPT-2 tensor names and layout -> this model's names and layout, each tensor
+    converted when it is read. `tensors`: name -> (open safetensors file, shape)."""
     # GPT2LMHeadModel prefixes "transformer."; a GPT2Model (and the original hub files) does not.
-    hf = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    hf = {k.removeprefix("transformer."): (k, *v) for k, v in tensors.items()}
     c = cfg["n_embd"]
-    out = {}
+    recipes: dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]] = {}  # name -> (shape, read)
 
-    def take(name: str, shape: tuple) -> torch.Tensor:
-        t = hf.pop(name, None)
-        if t is None:
+    def take(name: str, shape: tuple) -> tuple[str, object]:
+        """(the file's own name, the open file) of HF tensor `name`, checked."""
+        if name not in hf:
             refuse(f"tensor {name} is missing; the checkpoint is incomplete")
-        if tuple(t.shape) != shape:
-            refuse(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
-        return t.float()
+        key, handle, found = hf.pop(name)
+        if found != shape:
+            refuse(f"tensor {name} has shape {found}, config.json implies {shape}")
+        return key, handle
 
-    out["tok_emb.weight"] = take("wte.weight", (cfg["vocab_size"], c))
-    out["pos_emb.weight"] = take("wpe.weight", (cfg["block_size"], c))
+    def whole(name: str, shape: tuple, transpose: bool = False) -> tuple[tuple, Callable]:
+        key, handle = take(name, shape)
+        read = (lambda: handle.get_tensor(key).float().t().contiguous()) if transpose else \
+            (lambda: handle.get_tensor(key).float())
+        return (shape[::-1] if transpose else shape), read
+
+    recipes["tok_emb.weight"] = whole("wte.weight", (cfg["vocab_size"], c))
+    recipes["pos_emb.weight"] = whole("wpe.weight", (cfg["block_size"], c))
     for i in range(cfg["n_layer"]):
         h, b = f"h.{i}.", f"blocks.{i}."
         for ln in ("ln_1", "ln_2"):
-            out[b + ln + ".weight"] = take(h + ln + ".weight", (c,))
-            out[b + ln + ".bias"] = take(h + ln + ".bias", (c,))
-        qkv_w, qkv_b = take(h + "attn.c_attn.weight", (c, 3 * c)), take(h + "attn.c_attn.bias", (3 * c,))
+            recipes[b + ln + ".weight"] = whole(h + ln + ".weight", (c,))
+            recipes[b + ln + ".bias"] = whole(h + ln + ".bias", (c,))
+        (w_key, w_file), (b_key, b_file) = take(h + "attn.c_attn.weight", (c, 3 * c)), take(h + "attn.c_attn.bias", (3 * c,))
         for j, name in enumerate(("q_proj", "k_proj", "v_proj")):  # columns [q | k | v] of the fused layer
-            out[b + f"attn.{name}.weight"] = qkv_w[:, j * c:(j + 1) * c].t().contiguous()
-            out[b + f"attn.{name}.bias"] = qkv_b[j * c:(j + 1) * c].clone()
+            cols = slice(j * c, (j + 1) * c)
+            recipes[b + f"attn.{name}.weight"] = ((c, c), lambda f=w_file, k=w_key, s=cols:
+                                                 f.get_slice(k)[:, s].float().t().contiguous())
+            recipes[b + f"attn.{name}.bias"] = ((c,), lambda f=b_file, k=b_key, s=cols: f.get_slice(k)[s].float())
         for hf_name, name, shape in (("attn.c_proj", "attn.out_proj", (c, c)), ("mlp.c_fc", "mlp.fc", (c, 4 * c)),
                                      ("mlp.c_proj", "mlp.proj", (4 * c, c))):
-            out[b + name + ".weight"] = take(h + hf_name + ".weight", shape).t().contiguous()
-            out[b + name + ".bias"] = take(h + hf_name + ".bias", (shape[1],))
+            recipes[b + name + ".weight"] = whole(h + hf_name + ".weight", shape, transpose=True)
+            recipes[b + name + ".bias"] = whole(h + hf_name + ".bias", (shape[1],))
         hf.pop(h + "attn.bias", None)  # older saves hold the causal-mask buffers: not weights
         hf.pop(h + "attn.masked_bias", None)
-    out["ln_f.weight"] = take("ln_f.weight", (c,))
-    out["ln_f.bias"] = take("ln_f.bias", (c,))
-    head = hf.pop("lm_head.weight", None)
+    recipes["ln_f.weight"] = whole("ln_f.weight", (c,))
+    recipes["ln_f.bias"] = whole("ln_f.bias", (c,))
     if not cfg["tie_weights"]:
-        if head is None:
+        if "lm_head.weight" not in hf:
             refuse("tie_word_embeddings is false but lm_head.weight is missing")
-        out["lm_head.weight"] = head.float()
+        recipes["lm_head.weight"] = whole("lm_head.weight", (cfg["vocab_size"], c))
     else:  # tied: the state dict names the one matrix twice
-        out["lm_head.weight"] = out["tok_emb.weight"]
+        hf.pop("lm_head.weight", None)
+        recipes["lm_head.weight"] = recipes["tok_emb.weight"]
     if hf:
         refuse(f"unexpected tensor {sorted(hf)[0]} (and {len(hf) - 1} more): not a GPT-2 LM checkpoint")
-    return out
+    return LazyTensors({k: shape for k, (shape, _) in recipes.items()}, lambda k: recipes[k][1]())
 
 
 def check_tokenizer(src: Source, tokenizer_kind: str, stored: dict | None) -> dict:
@@ -260,23 +297,25 @@ def _show(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def initial_weights(model, src: Source) -> dict[str, torch.Tensor]:
+def initial_weights(model, src: Source) -> LazyTensors:
     """The source's weights by `model`'s parameter names, checked against its shapes (`model` may be
-    on the meta device: only names and shapes are read). A shorter context keeps the first position
-    embeddings, as GPT-2 itself is cropped for shorter contexts."""
-    weights = dict(src.weights)
-    if "pos_emb.weight" in weights:
-        weights["pos_emb.weight"] = weights["pos_emb.weight"][:model.cfg.block_size]
-    want = model.state_dict()
-    problems = [f"{k} is missing" for k in sorted(want.keys() - weights.keys())]
-    problems += [f"{k} is unexpected" for k in sorted(weights.keys() - want.keys())]
-    problems += [f"{k} has shape {tuple(weights[k].shape)}, not {tuple(want[k].shape)}"
-                 for k in sorted(want.keys() & weights.keys()) if weights[k].shape != want[k].shape]
+    on the meta device: only names and shapes are read, and no weight until it is asked for). A
+    shorter context keeps the first position embeddings, as GPT-2 itself is cropped for shorter
+    contexts."""
+    block = model.cfg.block_size
+    shapes = dict(src.weights.shapes)
+    if "pos_emb.weight" in shapes:
+        shapes["pos_emb.weight"] = (min(block, shapes["pos_emb.weight"][0]), *shapes["pos_emb.weight"][1:])
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = [f"{k} is missing" for k in sorted(want.keys() - shapes.keys())]
+    problems += [f"{k} is unexpected" for k in sorted(shapes.keys() - want.keys())]
+    problems += [f"{k} has shape {shapes[k]}, not {want[k]}" for k in sorted(want.keys() & shapes.keys())
+                 if shapes[k] != want[k]]
     if problems:  # a model.pt whose tensors do not match its own model_config
         more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
         raise UsageError(f"model.init_from {src.path} holds tensors that do not fit its model_config "
                          f"({problems[0]}{more}); export it again with python export.py")
-    return weights
+    return LazyTensors(shapes, lambda k: src.weights[k][:block] if k == "pos_emb.weight" else src.weights[k])
 
 
 

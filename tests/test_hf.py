@@ -303,3 +303,49 @@ def test_named_gpt2_sizes_set_the_shape_for_training_and_plan(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     assert not run.exists()
+
+
+def test_a_hugging_face_folder_is_read_one_tensor_at_a_time_and_only_when_asked(hf_dir, monkeypatch):
+    """model.init_from opens the safetensors file and reads no tensor until a rank fills its share
+    with it (parallel/materialize.py), then that tensor alone: no rank holds the whole source."""
+    import safetensors
+
+    import snapshots.pretrained as pretrained
+    from model import GPT, GPTConfig
+    path, _ = hf_dir
+    reads = []
+    real_open = safetensors.safe_open
+
+    class Counted:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.file.get_tensor(name)
+
+        def get_slice(self, name):
+            return CountedSlice(self.file.get_slice(name), name)
+
+    class CountedSlice:
+        def __init__(self, inner, name):
+            self.inner, self.name = inner, name
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def __getitem__(self, index):
+            reads.append(self.name)
+            return self.inner[index]
+
+    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    source = pretrained.open_source(str(path))
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**source.model_config))
+    weights = pretrained.initial_weights(model, source)
+    assert reads == []  # names and shapes checked, nothing read
+    q = weights["blocks.0.attn.q_proj.weight"]
+    assert reads == ["transformer.h.0.attn.c_attn.weight"] and q.shape == (HF_SHAPE["n_embd"],) * 2
