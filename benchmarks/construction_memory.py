@@ -62,7 +62,7 @@ def peaks(agent_pid: int) -> dict[int, int]:
 
 def measure(repo: Path, nproc: int, overrides: list[str], timeout: float = 900) -> dict[str, dict[int, int]]:
     """{"built": {rank: VmHWM at the start-up view}, "step": {... at the first step's line}}."""
-    with tempfile.TemporaryDirectory() as run_dir:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as run_dir:  # killed workers may still be writing
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TIKTOKEN_CACHE_DIR=str(TIKTOKEN_DIR),
                    WANDB_MODE="disabled", PYTHONPATH=str(repo), CUDA_VISIBLE_DEVICES="")
         argv = torchrun_argv(nproc, ["main.py", *COMMON, *overrides, f"trainer.run_dir={run_dir}/run"])
