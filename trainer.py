@@ -308,6 +308,7 @@ class Trainer:
         window, tokens_per_sec = StepWindow(), 0.0
         vote = StopVote(self.stop_request, s.env.distributed)
         stopped, snapshot = 0, None
+        hooks.at("train", self.step, s.env.rank)  # built, resumed, nothing of the first step run yet
         while self.step < self.max_steps:
             t0 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]

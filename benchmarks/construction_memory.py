@@ -5,10 +5,10 @@
     python benchmarks/construction_memory.py --repo ../old-checkout # the same cases on another commit
 
 Every case is a real `torchrun main.py` launch of a 16 x 1024 GPT (201M parameters, 805 MB in
-fp32) and of a tiny one (1 x 64) with the same layout and process count, read from outside: each
-worker's VmHWM (/proc/PID/status, its peak resident set) when rank 0 prints the start-up view (every
-rank is past construction then: the view follows a collective) and when the first step's log line
-appears. The table gives, per case, the largest worker's peak above the tiny launch's, as a
+fp32) and of a tiny one (2 x 64) with the same layout and process count, read from outside: each
+worker's VmHWM (/proc/PID/status, its peak resident set) when the model is built and after the
+first optimizer step (each worker stops itself there: MINGPT_FAULT's `stop` at the hook points
+`train` and `update`, launch/faults.py). The table gives, per case, the largest worker's peak above the tiny launch's, as a
 fraction of the whole model's fp32 bytes: what the model itself costs a rank. The layouts promise
 (fp32 AdamW, n ranks sharding): ddp 1x the model at construction and 4x through a step; fsdp and
 zero-3 1/n and 4/n (plus the gathered blocks); tp=2 and pp=2 about 1/2 and 2.
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from launch.local import CORPUS, TIKTOKEN_DIR, multiprocess_lock, torchrun_argv, worker_pids, worker_rank  # noqa: E402
 
 MODEL = ["model.n_layer=16", "model.n_head=16", "model.n_embd=1024"]
-TINY_MODEL = ["model.n_layer=1", "model.n_head=4", "model.n_embd=64"]
+TINY_MODEL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=64"]  # 2 blocks: pp=2 needs one per stage
 MODEL_BYTES = 4 * (16 * (12 * 1024 * 1024 + 13 * 1024) + (65 + 64) * 1024 + 2 * 1024)  # fp32, char vocab 65
 COMMON = [f"data.path={CORPUS}", "data.truncate=200000", "model.block_size=64", "trainer.batch_size=8",
           "trainer.micro_batch_size=1", "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=0",
@@ -60,33 +60,45 @@ def peaks(agent_pid: int) -> dict[int, int]:
     return {worker_rank(pid): vm_hwm(pid) for pid in worker_pids(agent_pid)}
 
 
+def stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 def measure(repo: Path, nproc: int, overrides: list[str], timeout: float = 900) -> dict[str, dict[int, int]]:
-    """{"built": {rank: VmHWM at the start-up view}, "step": {... at the first step's line}}."""
+    """{"built": {rank: VmHWM when the model is built}, "step": {... after the first optimizer step}}.
+    Every worker stops itself at both moments (MINGPT_FAULT's `stop` at the `train` and `update`
+    hook points), is read while stopped, and is continued: the readings do not race the training.
+    A commit without the `train` point is read when rank 0 prints the start-up view instead
+    (the workers may then be into their first step)."""
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as run_dir:  # killed workers may still be writing
+        faults = ",".join(f"stop:train:0:{r},stop:update:1:{r}" for r in range(nproc))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TIKTOKEN_CACHE_DIR=str(TIKTOKEN_DIR),
-                   WANDB_MODE="disabled", PYTHONPATH=str(repo), CUDA_VISIBLE_DEVICES="")
+                   WANDB_MODE="disabled", PYTHONPATH=str(repo), CUDA_VISIBLE_DEVICES="", MINGPT_FAULT=faults)
+        has_train_point = '"train"' in (repo / "observe" / "hooks.py").read_text() \
+            if (repo / "observe" / "hooks.py").is_file() else False
         argv = torchrun_argv(nproc, ["main.py", *COMMON, *overrides, f"trainer.run_dir={run_dir}/run"])
         proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         found: dict[str, dict[int, int]] = {}
-        output = []
+        output: list[str] = []
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout
         try:
-            while time.monotonic() < deadline and len(found) < 2:
-                if not sel.select(timeout=1):
-                    if proc.poll() is not None:
-                        break
-                    continue
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                output.append(line)
-                if line.startswith("run: ") and "built" not in found:
-                    found["built"] = peaks(proc.pid)
-                elif re.match(r"step 1/2\b", line) and "step" not in found:
-                    found["step"] = peaks(proc.pid)
+            while time.monotonic() < deadline and len(found) < 2 and proc.poll() is None:
+                if sel.select(timeout=0.2):
+                    line = proc.stdout.readline()
+                    output.append(line)
+                    if line.startswith("run: ") and not has_train_point:
+                        found["built"] = peaks(proc.pid)
+                pids = worker_pids(proc.pid)
+                if len(pids) == nproc and all(stopped(p) for p in pids):
+                    found["built" if "built" not in found else "step"] = peaks(proc.pid)
+                    for p in pids:
+                        os.kill(p, signal.SIGCONT)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -3,7 +3,8 @@
 STEP may be '*'. Faults fire on the first launch attempt only, so a group that torchrun restarts
 can finish. `install` (called first by launch/app.py's run) puts them into the hook points of
 observe/hooks.py when MINGPT_FAULT is set; each point reads MINGPT_FAULT again when reached. The
-WHEREs are those points: `save` (snapshots/store.py, right after a rank wrote its shards of
+WHEREs are those points: `train` (trainer.py, the model built, before the loop's first step:
+STEP is the step it starts at), `save` (snapshots/store.py, right after a rank wrote its shards of
 snapshot STEP, the folder still temporary; on a background save snapshots/background.py, once
 every rank's write is done, before rank 0's commit; for `eio`, the `snapshot_filesystem` point:
 inside that rank's write of them, snapshots/writer.py), `write` (snapshots/writer.py, as a rank
@@ -123,6 +124,7 @@ def install() -> None:
     when it is not, so a handler a test installed stays). Called first by launch/app.py's run."""
     if not os.environ.get("MINGPT_FAULT"):
         return
+    hooks.install("train", fault_point)
     hooks.install("save", fault_point)
     hooks.install("write", fault_point)
     hooks.install("update", poison_if_asked)

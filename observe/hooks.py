@@ -5,6 +5,8 @@ calls it first); a test may install its own handler to act at one moment (turn a
 read-only at the save of step 10).
 
     point                caller                                  the moment
+    train                at("train", step, rank)                 trainer.py: the model is built (and resumed at
+                                                                 `step`), before the loop's first step
     save                 at("save", step, rank)                  snapshots/store.py: a rank wrote its shards of
                                                                  snapshot `step`, the folder still temporary;
                                                                  snapshots/background.py: the background write of
@@ -18,7 +20,7 @@ read-only at the save of step 10).
                                                                  writer of snapshot `step` writes through; the
                                                                  handler returns the one to use
 
-A handler of `save` and `write` is called with (where, step, rank), of `update` with (step, rank,
+A handler of `train`, `save` and `write` is called with (where, step, rank), of `update` with (step, rank,
 module), of `snapshot_filesystem` with (fs, step, rank).
 
 Why in observe/: the package holds what watches a run (non-finite values, replicas that disagree,
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-POINTS = ("save", "write", "update", "snapshot_filesystem")
+POINTS = ("train", "save", "write", "update", "snapshot_filesystem")
 HANDLERS: dict[str, Callable] = {}  # point -> its one handler; a point without one does nothing
 
 
@@ -43,7 +45,7 @@ def install(point: str, handler: Callable) -> None:
 
 
 def at(where: str, step: int, rank: int) -> None:
-    """The `save` or `write` moment of snapshot `step` on `rank`."""
+    """The `train` moment (the loop starts at `step`), or the `save` or `write` moment of snapshot `step`, on `rank`."""
     handler = HANDLERS.get(where)
     if handler is not None:
         handler(where, step, rank)
