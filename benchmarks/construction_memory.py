@@ -10,8 +10,10 @@ worker's VmHWM (/proc/PID/status, its peak resident set) when the model is built
 first optimizer step (each worker stops itself there: MINGPT_FAULT's `stop` at the hook points
 `train` and `update`, launch/faults.py). The table gives, per case, the largest worker's peak above the tiny launch's, as a
 fraction of the whole model's fp32 bytes: what the model itself costs a rank. The layouts promise
-(fp32 AdamW, n ranks sharding): ddp 1x the model at construction and 4x through a step; fsdp and
-zero-3 1/n and 4/n (plus the gathered blocks); tp=2 and pp=2 about 1/2 and 2.
+(fp32 AdamW, n ranks sharding): ddp 1x the model and 1x of gradient buckets at construction, 4x
+through a step; fsdp and zero-3 1/n and 4/n (plus the gathered blocks); tp=2 and pp=2 about 1/2
+and 2. A commit before the `train` hook point is read at its start-up view instead, which may
+race its first step.
 
 It runs the commit it is in (or --repo's): the figures before and after a change come from two runs.
 CPU flags are printed beside the figures (they do not change memory, but the guide asks for them).
@@ -19,6 +21,7 @@ CPU flags are printed beside the figures (they do not change memory, but the gui
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import selectors
@@ -96,9 +99,10 @@ def measure(repo: Path, nproc: int, overrides: list[str], timeout: float = 900) 
                         found["built"] = peaks(proc.pid)
                 pids = worker_pids(proc.pid)
                 if len(pids) == nproc and all(stopped(p) for p in pids):
-                    found["built" if "built" not in found else "step"] = peaks(proc.pid)
+                    found["built" if has_train_point and "built" not in found else "step"] = peaks(proc.pid)
                     for p in pids:
-                        os.kill(p, signal.SIGCONT)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(p, signal.SIGCONT)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
