@@ -4,13 +4,16 @@ The payload is plain tensors and plain data (the model's state dict under its si
 names, the model shape, the resolved config, the tokenizer record, the step), so
 `torch.load(path, weights_only=True)` reads it and nothing is unpickled. main.py writes it at the
 end of a run, export.py from any snapshot; sample.py and `model.init_from` read it with the same
-checks.
+checks. `LazyTensors`: weights by name read one tensor at a time (`model.init_from`'s model.pt,
+memory-mapped, and its Hugging Face folders: snapshots/pretrained.py).
 """
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -55,6 +58,26 @@ def write_model_file(path: Path, model_file: ModelFile) -> None:
         with open(tmp, "wb") as f:
             torch.save(model_file.payload(), f)
     atomic_write(path, write, durable=True)
+
+
+class LazyTensors(Mapping):
+    """Tensors by name, each read from its file when asked for and not kept: the names and shapes are
+    known without reading any. A rank that fills its share of the model (parallel/materialize.py)
+    then holds one source tensor at a time, never the whole model."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor]):
+        self.shapes, self._read = shapes, read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def read_model_file(path: Path, who: str = "", fix: str = "export it again with python export.py",

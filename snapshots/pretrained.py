@@ -18,7 +18,6 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,7 +27,7 @@ import safetensors.torch
 import torch
 
 from config import Config, UsageError
-from snapshots.model_file import ModelFile, read_model_file
+from snapshots.model_file import LazyTensors, ModelFile, read_model_file
 from storage.files import atomic_write
 
 GPT2_VOCAB = 50257  # the GPT-2 BPE (tiktoken r50k_base): what a Hugging Face GPT-2 folder tokenizes with
@@ -39,26 +38,6 @@ TOKENIZER_FILE = "mingpt_tokenizer.json"  # the project's tokenizer record, besi
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias", "tie_weights", "gelu", "activation", "qk_norm")
 # What a model.pt (or GPT-2) from before a model setting existed computes: that setting's old behaviour
 BEFORE_THE_KEY = {"gelu": "erf", "activation": "gelu", "qk_norm": False}
-
-
-class LazyTensors(Mapping):
-    """Tensors by name, each read from its file when asked for and not kept: the names and shapes are
-    known without reading any. A rank that fills its share of the model (parallel/materialize.py)
-    then holds one source tensor at a time, never the whole model."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor]):
-        self.shapes, self._read = shapes, read
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.shapes:
-            raise KeyError(name)
-        return self._read(name)
-
-    def __iter__(self):
-        return iter(self.shapes)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
 
 
 @dataclass
