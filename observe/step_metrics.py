@@ -38,7 +38,7 @@ class CudaPeaks:
         return peak, self.run_peak
 
 
-def memory_row(strategy: Strategy, held: dict[str, int], cuda_peaks: CudaPeaks | None = None) -> dict[str, float]:
+def memory_row(strategy: Strategy, held: dict[str, int], cuda_peaks: CudaPeaks) -> dict[str, float]:
     """Collective over all ranks. MB (10^6 bytes), max over ranks: the process's peak RSS since it
     started (`rss_peak_mb`: host memory, the whole process's, never reset), the tensor bytes the
     strategy holds (`held`: Strategy.resident_bytes; params, grads, optimizer state: comparable
@@ -47,7 +47,7 @@ def memory_row(strategy: Strategy, held: dict[str, int], cuda_peaks: CudaPeaks |
     row = {"rss_peak_mb": rss_peak_bytes(), "held_params_mb": held.get("params", 0),
            "held_grads_mb": held.get("grads", 0), "held_optim_mb": held.get("optimizer", 0)}
     if strategy.device.type == "cuda":
-        row["cuda_peak_allocated_mb"], row["cuda_run_peak_allocated_mb"] = (cuda_peaks or CudaPeaks()).window(strategy.device)
+        row["cuda_peak_allocated_mb"], row["cuda_run_peak_allocated_mb"] = cuda_peaks.window(strategy.device)
     values = [float(v) for v in row.values()]  # bytes: exact in float64 up to 8 PiB
     if strategy.env.distributed:
         t = torch.tensor(values, dtype=torch.float64, device=strategy.device)

@@ -72,7 +72,7 @@ class FSDPStrategy(Strategy):
         return CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
 
     @property
-    def wraps(self) -> bool:
+    def shards_parameters(self) -> bool:
         """Does fully_shard run? With more than one dp rank; in a world of one process only for CPU
         offload (a model kept in host memory and streamed to the GPU: the one-GPU use of FSDP), which
         needs a process group (torchrun --nproc_per_node=1). Layouts with tp or pp and one dp rank stay
@@ -81,25 +81,21 @@ class FSDPStrategy(Strategy):
                                     and self.env.world_size == 1)
 
     @property
-    def shards_parameters(self) -> bool:
-        return self.wraps
-
-    @property
     def init_device(self) -> torch.device:
         """FSDP2's CPU offload keeps the sharded parameters in host memory: they are allocated there."""
-        return torch.device("cpu") if self.wraps and self.cfg.parallel.cpu_offload else self.device
+        return torch.device("cpu") if self.shards_parameters and self.cfg.parallel.cpu_offload else self.device
 
     @property
     def compute_precision(self) -> str:
         """parallel.mixed_precision casts the parameters for forward and backward: under an fp32
         trainer.precision the matmuls run in that dtype (MFU's peak is its)."""
         p = self.cfg.parallel
-        if self.wraps and p.mixed_precision != "none" and self.cfg.trainer.precision == "fp32":
+        if self.shards_parameters and p.mixed_precision != "none" and self.cfg.trainer.precision == "fp32":
             return p.mixed_precision
         return self.cfg.trainer.precision
 
     def describe_dp(self) -> str:
-        if self.dp_size == 1 and self.wraps:
+        if self.dp_size == 1 and self.shards_parameters:
             return f"{self.name} (one data-parallel rank: FSDP2 for the cpu offload only)"
         if self.dp_size == 1:
             offload = (", parallel.cpu_offload runs only in a one-process torchrun launch"
@@ -120,7 +116,7 @@ class FSDPStrategy(Strategy):
     def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
         """fully_shard each transformer block of `module` (a GPT or one pipeline stage), then the
         module itself for what is left (embeddings, ln_f, head)."""
-        if not self.wraps:
+        if not self.shards_parameters:
             return module
         # HSDP: a 2-D mesh, (Replicate, Shard(0)): reduce-scatter within a replica group, then
         # all-reduce the shards across the groups.
