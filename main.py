@@ -18,8 +18,8 @@ snapshot that stays the resume point, exit 3 (storage/failures.py).
 
 This file is the command: its arguments, and the one place errors and signals end a launch
 (launch/errors.py). The launch itself is launch/app.py, building the Trainer launch/build.py.
-`--plan` predicts a layout's costs (costs/planner.py); `--dry-run` runs its real code on simulated
-ranks beside that prediction (costs/dry_run.py: exit 1 on a disagreement).
+`--plan` predicts a layout's costs (planner/__init__.py); `--dry-run` runs its real code on simulated
+ranks beside that prediction (tools/dry_run.py: exit 1 on a disagreement).
 """
 from __future__ import annotations
 
@@ -47,11 +47,12 @@ if __name__ == "__main__":  # torch loads for seconds: a Ctrl-C meanwhile is one
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from config import DEFAULT_CONFIG, UsageError, load_config
-from costs.dry_run import dry_run_command
-from costs.planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
 from launch.app import run
 from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
+from planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
 from snapshots.pretrained import adopt_model_shape
+from tools.calibrate import measure_local
+from tools.dry_run import dry_run_command
 
 
 def parse_args(argv):
@@ -79,7 +80,7 @@ def parse_args(argv):
                            "--device-memory minus this (default: a tenth of it, at most 3GB)")
     plan.add_argument("--hardware", default=None, metavar="NAME|FILE",
                       help="predict step times for this hardware: local (this machine, measured once), "
-                           "a100-80gb, h100-sxm, h200-sxm (costs/hardware/*.yaml) or a YAML file (default: local)")
+                           "a100-80gb, h100-sxm, h200-sxm (planner/hardware/*.yaml) or a YAML file (default: local)")
     plan.add_argument("--plan-json", default=None, metavar="PATH", help="also write the plan as JSON to PATH")
     plan.add_argument("--explain", action="store_true", help="with --plan: every formula and its source")
     ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
@@ -87,7 +88,7 @@ def parse_args(argv):
 
 
 def print_plan(args) -> int:
-    """--plan: predictions for every layout on --world-size ranks (costs/planner.py); no process group."""
+    """--plan: predictions for every layout on --world-size ranks (planner/__init__.py); no process group."""
     cfg = load_config(args.config, args.overrides, adopt=adopt_model_shape)
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
@@ -99,7 +100,7 @@ def print_plan(args) -> int:
     if memory is not None and reserve >= memory:
         raise UsageError(f"--reserve-memory {args.reserve_memory} leaves nothing of --device-memory {args.device_memory}; "
                          f"reserve less")
-    hardware = load_hardware(args.hardware or "local", cfg.trainer.precision)
+    hardware = load_hardware(args.hardware or "local", cfg.trainer.precision, measure=measure_local)
     result = plan(cfg, world, memory, hardware, reserve)
     if memory is not None and result.layouts and not any(lp.fits for lp in result.layouts):
         result.advice = fit_advice(cfg, world, memory, hardware, reserve)
@@ -114,7 +115,7 @@ def print_plan(args) -> int:
 
 
 def run_dry(args) -> int:
-    """--dry-run: the real code of every rank role of --world-size ranks, beside the plan (costs/dry_run.py)."""
+    """--dry-run: the real code of every rank role of --world-size ranks, beside the plan (tools/dry_run.py)."""
     cfg = load_config(args.config, args.overrides, adopt=adopt_model_shape)
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:

@@ -26,18 +26,17 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from char_dataset import Batching, TokenDataset
 from config import Config, UsageError
+from guards.health import FiniteCheck
+from guards.replicas import check_replicas
+from guards.stop import StopRequest, StopVote
+from guards.stragglers import GpuBlockClock, StragglerWatch
+from guards.watchdog import HangWatchdog
 from launch.schedule import lr_at, schedule_change, total_steps
-from launch.stop_vote import StopVote
-from launch.stopping import StopRequest
-from launch.watchdog import HangWatchdog
 from model import ModelCost
 from observe import hooks
-from observe.health import FiniteCheck
 from observe.perf import Peak, set_fp32_matmul_mode
 from observe.profiling import StepProfiler
-from observe.replicas import check_replicas
 from observe.step_metrics import CudaPeaks, RunSummary, StepWindow, memory_row
-from observe.stragglers import GpuBlockClock, StragglerWatch
 from observe.tracker import NullTracker, Progress, RunTracker
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
 from snapshots.meta import SnapshotMeta
@@ -95,7 +94,7 @@ class Trainer:
                                      env.distributed, run_dir)
         self.profiler = StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device)
         gpu_clock = GpuBlockClock([b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]) \
-            if strategy.device.type == "cuda" else None  # a GPU's own time: observe/stragglers.py
+            if strategy.device.type == "cuda" else None  # a GPU's own time: guards/stragglers.py
         self.stragglers = StragglerWatch(env.rank, env.world_size, env.local_rank, env.distributed, strategy.is_tracker,
                                          gpu_clock)
 
@@ -271,7 +270,7 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the global batch of self.step. Returns (loss, grad norm)."""
-        with self.stragglers.timed(), self.profiler.around(self.step):  # observe/stragglers.py, observe/profiling.py
+        with self.stragglers.timed(), self.profiler.around(self.step):  # guards/stragglers.py, observe/profiling.py
             loss = self.forward_backward()
             return loss, self.optimizer_step()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
 
-from launch.local import CORPUS, python
+from testing.local import CORPUS, python
 
 MODEL = [f"data.path={CORPUS}", "model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=64",
          "trainer.batch_size=2", "trainer.save_every=1", "trainer.log_every=1", "trainer.eval_every=0",

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
 
-from costs.measure import loopback_tx_bytes
-from launch.local import CORPUS, benchmark_main
+from testing.local import CORPUS, benchmark_main
+from tools.measure import loopback_tx_bytes
 
 STEPS = 5
 

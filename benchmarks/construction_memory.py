@@ -8,7 +8,7 @@ Every case is a real `torchrun main.py` launch of a 16 x 1024 GPT (201M paramete
 fp32) and of a tiny one (2 x 64) with the same layout and process count, read from outside: each
 worker's VmHWM (/proc/PID/status, its peak resident set) when the model is built and after the
 first optimizer step (each worker stops itself there: MINGPT_FAULT's `stop` at the hook points
-`train` and `update`, launch/faults.py). The table gives, per case, the largest worker's peak above the tiny launch's, as a
+`train` and `update`, testing/faults.py). The table gives, per case, the largest worker's peak above the tiny launch's, as a
 fraction of the whole model's fp32 bytes: what the model itself costs a rank. The layouts promise
 (fp32 AdamW, n ranks sharding): ddp 1x the model and 1x of gradient buckets at construction, 4x
 through a step; fsdp and zero-3 1/n and 4/n (plus the gathered blocks); tp=2 and pp=2 about 1/2
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.local import CORPUS, TIKTOKEN_DIR, multiprocess_lock, torchrun_argv, worker_pids, worker_rank  # noqa: E402
+from testing.local import CORPUS, TIKTOKEN_DIR, multiprocess_lock, torchrun_argv, worker_pids, worker_rank  # noqa: E402
 
 MODEL = ["model.n_layer=16", "model.n_head=16", "model.n_embd=1024"]
 TINY_MODEL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=64"]  # 2 blocks: pp=2 needs one per stage
@@ -76,10 +76,12 @@ def measure(repo: Path, nproc: int, overrides: list[str], timeout: float = 900) 
     hook points), is read while stopped, and is continued: the readings do not race the training.
     A commit without the `train` point is read when rank 0 prints the start-up view instead
     (the workers may then be into their first step)."""
+    # testing/boot installs the faults in each worker (an older commit's launch/app.py did it itself)
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as run_dir:  # killed workers may still be writing
         faults = ",".join(f"stop:train:0:{r},stop:update:1:{r}" for r in range(nproc))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TIKTOKEN_CACHE_DIR=str(TIKTOKEN_DIR),
-                   WANDB_MODE="disabled", PYTHONPATH=str(repo), CUDA_VISIBLE_DEVICES="", MINGPT_FAULT=faults)
+                   WANDB_MODE="disabled", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=os.pathsep.join([str(repo / "testing" / "boot"), str(repo)]), MINGPT_FAULT=faults)
         has_train_point = '"train"' in (repo / "observe" / "hooks.py").read_text() \
             if (repo / "observe" / "hooks.py").is_file() else False
         argv = torchrun_argv(nproc, ["main.py", *COMMON, *overrides, f"trainer.run_dir={run_dir}/run"])

@@ -5,7 +5,7 @@
 
 Both train nanoGPT's CPU config (benchmarks/cpu_shakespeare.py's NANOGPT_CPU: global batch 12,
 so 6 sequences per rank under ddp) through main.py, one after the other, the multi-process one
-under the machine-wide multi-process lock (launch/local.py). Printed: median step time (metrics'
+under the machine-wide multi-process lock (testing/local.py). Printed: median step time (metrics'
 step_time_ms), tokens/s at that median, the val loss main.py reports at the end, and the ratio.
 The runs are the same training up to the order of float additions (ddp averages two half-batch
 gradients), so the losses agree closely and the ratio is the speed.
@@ -23,7 +23,7 @@ from pathlib import Path
 import _repo  # noqa: F401  (the repository on sys.path)
 from cpu_shakespeare import NANOGPT_CPU
 
-from launch.local import CORPUS, REPO, child_env, torchrun
+from testing.local import CORPUS, REPO, child_env, torchrun
 
 TOKENS = 12 * 64  # nanoGPT's batch x block
 

@@ -44,9 +44,9 @@ from _repo import REPO
 from config import UsageError, load_config
 from launch.build import build_trainer
 from launch.errors import reject_dashed_overrides
-from launch.local import CORPUS
 from observe.perf import measure_cpu_matmul_peak
 from parallel.env import init_distributed
+from testing.local import CORPUS
 
 NANOGPT_CPU = [
     "model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64",

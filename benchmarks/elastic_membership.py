@@ -1,6 +1,6 @@
 """Elastic membership, measured: a job on two nodes loses one and goes on alone.
 
-Two torchrun agents on this machine act as two nodes (launch/multinode.py; `--nnodes=1:2`,
+Two torchrun agents on this machine act as two nodes (testing/multinode.py; `--nnodes=1:2`,
 c10d rendezvous, one process per node, fsdp). Once training reached step --lose-at, node B is
 SIGKILLed whole (agent and worker: the node is gone). Node A's worker fails on the broken
 connection, A's agent re-forms the group without B (world size 1), and the worker resumes from
@@ -29,8 +29,8 @@ from _repo import REPO
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from launch.local import TINY, python
-from launch.multinode import snapshot_steps, two_nodes, wait_all, wait_for
+from testing.local import TINY, python
+from testing.multinode import snapshot_steps, two_nodes, wait_all, wait_for
 
 
 def losses(run_dir: Path) -> dict[int, float]:

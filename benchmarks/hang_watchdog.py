@@ -26,7 +26,7 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
 
-from launch.local import CORPUS, torchrun
+from testing.local import CORPUS, torchrun
 
 # nanoGPT's Shakespeare-char CPU model, a step of ~0.1-0.3 s on one thread per rank.
 BASE = [f"data.path={CORPUS}", "model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
 
-from launch.local import CORPUS, benchmark_main
+from testing.local import CORPUS, benchmark_main
 
 # name -> (overrides, what is sharded, formula as text, formula(a, n) in bytes)
 STRATEGIES = {

@@ -4,7 +4,7 @@ HSDP x tp (2 replicas x 2 shards x tp 2) in the same launch.
 Trains the tests' TINY model for 6 steps with FSDP2 over dp, Megatron TP over tp and a 1F1B
 pipeline over pp (tied embedding/head: first and last stage sum its gradient), in ONE 8-process
 launch (this script, relaunched under torchrun), and checks parity with a single process exactly
-as tests/test_tp_pp.py does (costs/parity.py): first-step gradients <= 1e-6 abs, loss <= 1e-4 and
+as tests/test_tp_pp.py does (testing/parity.py): first-step gradients <= 1e-6 abs, loss <= 1e-4 and
 gradient norm <= 1e-5 relative at each step, parameters after the first and the last step <= 1e-5
 abs, validation loss after the last step.
 Optionally also the whole app (main.py) in the same launch: on the mesh, and with the default
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
 
-from costs.parity import assert_parity, load_case, parity_errors, run_steps, save_cases
-from launch.local import CORPUS, TINY, torchrun
+from testing.local import CORPUS, TINY, torchrun
+from testing.parity import assert_parity, load_case, parity_errors, run_steps, save_cases
 
 STEPS = 6
 MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=1f1b"
@@ -41,7 +41,7 @@ DEFAULT_APP = [f"data.path={CORPUS}", f"trainer.max_steps={DEFAULT_STEPS}", "tra
 
 
 def worker(out: Path, with_app: bool) -> None:
-    """One rank of the 8-process launch: both parity cases (costs.parity.run_steps; rank 0 saves
+    """One rank of the 8-process launch: both parity cases (testing.parity.run_steps; rank 0 saves
     OUT/NAME.pt) and, with `with_app`, main.py on the mesh (OUT/app) and with the default config
     (OUT/default), all in one process group; rank 0 writes each run's worst exit code over the
     8 ranks to OUT/app_exit_codes.json."""

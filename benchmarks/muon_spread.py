@@ -33,8 +33,8 @@ import _repo  # noqa: F401  (the repository on sys.path)
 import torch
 import torch.distributed as dist
 
-from launch.local import torchrun_until
 from parallel.muon import orthogonalize
+from testing.local import torchrun_until
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
 NS_STEPS = 5

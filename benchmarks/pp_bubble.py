@@ -29,8 +29,8 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
 
-from costs.measure import StageClock, add_timer
-from launch.local import CORPUS, torchrun
+from testing.local import CORPUS, torchrun
+from tools.measure import StageClock, add_timer
 
 # (label, overrides): stages per rank v is read back from the config
 SCHEDULES = [

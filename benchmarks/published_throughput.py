@@ -23,7 +23,7 @@ same layout as HSDP with shard groups of one (`parallel.dp_replicate` = dp: FSDP
 all-reduces gradients across the replicas, DDP's traffic). The table gives neither the micro-batch
 size nor the schedule: rows are predicted with 1F1B at micro-batch 1 and 2.
 
-Each row goes through the same `costs.planner.plan_layout` and `--hardware` description that
+Each row goes through the same `planner.plan_layout` and `--hardware` description that
 `python main.py --plan` ranks layouts by; the script prints predicted and published tokens/s per
 GPU (and, for the second table, teraFLOP/s per GPU in the paper's count), their ratio, and the
 largest terms of the prediction. Nothing runs on a GPU.
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import _repo  # noqa: F401  (the repository on sys.path)
 
+import planner
 from config import load_config
-from costs import planner
 
 SOURCE = "https://github.com/mosaicml/llm-foundry/tree/main/scripts/train/benchmarking"
 MPT = {  # name -> (layers, width, heads) of llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml
@@ -48,7 +48,7 @@ MPT = {  # name -> (layers, width, heads) of llm-foundry's scripts/train/yamls/p
 
 @dataclass(frozen=True)
 class Row:
-    hardware: str  # costs/hardware/NAME.yaml
+    hardware: str  # planner/hardware/NAME.yaml
     model: str  # MPT key
     gpus: int
     micro_batch: int  # sequences per GPU per forward/backward
@@ -172,7 +172,7 @@ def print_megatron() -> None:
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
-    print(f"published: MosaicML llm-foundry MPT benchmarks ({SOURCE}); predicted: costs/timing.py")
+    print(f"published: MosaicML llm-foundry MPT benchmarks ({SOURCE}); predicted: planner/timing.py")
     print(f"{'hardware':10s} {'model':5s} {'GPUs':>4s} {'mb x accum':>10s} {'tok/s/GPU pred':>15s} "
           f"{'published':>10s} {'ratio':>6s} {'MFU pred':>9s} {'published':>9s}  largest terms")
     ratios: dict[str, list[float]] = {}

@@ -15,7 +15,7 @@ warm-up step:
   dispatcher (measure.CollectiveCounter: the c10d ops that DDP's C++ reducer, FSDP2, the project's
   ZeRO and the pipeline issue, and the functional collectives of DTensor);
 - REPEATS runs of STEPS steps timed with nothing attached: step time (the median run), tokens/s,
-  the predicted step time (costs/timing.py on `--hardware local`, what `--plan` ranks by), the pipeline bubble (1 - the stage's
+  the predicted step time (planner/timing.py on `--hardware local`, what `--plan` ranks by), the pipeline bubble (1 - the stage's
   compute time / the schedule step's time, mean over ranks) and the bytes the loopback interface
   transmitted per step (every rank's traffic, TCP/IP headers included; approximate when anything
   else uses `lo`, which the lock keeps to the launcher's own store traffic).
@@ -42,12 +42,13 @@ import matplotlib
 import matplotlib.pyplot as plt
 import torch
 
+import planner
 from config import UsageError, load_config
-from costs import planner
-from costs.hardware import Hardware
-from costs.measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes
 from launch.errors import reject_dashed_overrides
-from launch.local import CORPUS, torchrun_until
+from planner.hardware import Hardware
+from testing.local import CORPUS, torchrun_until
+from tools.calibrate import measure_local
+from tools.measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes
 
 matplotlib.use("Agg")  # files only, no display (pyplot switches to it: no figure exists yet)
 
@@ -123,9 +124,9 @@ def planner_kind(call, groups: dict[tuple[int, ...], str]) -> str:
 def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int) -> dict:
     import torch.distributed as dist
 
-    from costs.fake_world import group_names
     from launch.build import build_trainer
     from parallel.env import init_distributed
+    from tools.fake_world import group_names
 
     cfg = config(overrides, run_dir)
     trainer = build_trainer(cfg, init_distributed(cfg), run_dir)
@@ -233,7 +234,7 @@ class LayoutReport:
     wire_bytes_per_step: float  # loopback, all ranks
     step_s: float  # the median of the timed runs
     step_runs_s: list[float]  # each run's mean step time
-    step_predicted_s: float  # costs/timing.py on --hardware local
+    step_predicted_s: float  # planner/timing.py on --hardware local
     time_terms: list[tuple[str, float]]  # the prediction's terms: name, exposed seconds
     tokens_per_s: float
     bubble_predicted: float | None
@@ -355,7 +356,7 @@ def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, ste
             "assumes one core per rank and free communication. With more processes than cores a rank waiting for "
             "a peer also waits for a core, so the measured bubble here is the schedule's plus the oversubscription's; "
             "benchmarks/pp_bubble.py at p=2 (one core per rank) measures the schedule alone.", "",
-            f"Predicted: costs/timing.py on `--hardware local` ({hw_source}), the same formulas `--plan` "
+            f"Predicted: planner/timing.py on `--hardware local` ({hw_source}), the same formulas `--plan` "
             f"ranks layouts by; measured: the median of {len(reps[0].step_runs_s)} runs of {steps} steps. Bar: "
             f"{TIME_BAR:.0%}. Within it: {sum(r.time_ok for r in reps)} of {len(reps)}. Ranking by time: "
             f"{_ranking(reps)}.", "",
@@ -503,7 +504,7 @@ def main() -> None:
             sys.exit(f"error: the measuring launch failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
         measured = json.loads(raw.read_text())
     torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
-    hw = planner.load_hardware("local", config(args.overrides, Path("unused")).trainer.precision)
+    hw = planner.load_hardware("local", config(args.overrides, Path("unused")).trainer.precision, measure=measure_local)
     reps = [compare(name, overrides, measured[name], args.overrides, args.nproc, hw)
             for name, overrides in cases.items()]
     (out / "report.json").write_text(json.dumps({

@@ -27,7 +27,7 @@ import _repo  # noqa: F401  (the repository on sys.path)
 from cpu_shakespeare import NANOGPT_CPU
 from vs_nanogpt import env, our_val_loss
 
-from launch.local import CORPUS, REPO
+from testing.local import CORPUS, REPO
 
 # (name, steps, overrides added by this row); each row keeps the rows above it
 ROWS = [

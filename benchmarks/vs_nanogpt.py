@@ -40,9 +40,9 @@ import torch
 import yaml
 from cpu_shakespeare import NANOGPT_CPU
 
-from launch.local import CORPUS, REPO, SHARED
 from model import GPT, GPTConfig
 from snapshots.model_file import read_model_file
+from testing.local import CORPUS, REPO, SHARED
 
 NANOGPT = SHARED / "peers" / "nanoGPT"
 BLOCK, BATCH = 64, 12

@@ -20,8 +20,6 @@ import torch.distributed as dist
 
 from config import Config, UsageError, dump_yaml, load_config
 from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
-from costs.auto import choose_layout
-from launch import faults
 from launch.build import build_trainer, fallback_corpus
 from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
@@ -32,6 +30,7 @@ from observe.perf import cpu_devices
 from observe.redact import redact_url
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
+from planner.auto import choose_layout
 from snapshots.model_file import MODEL_FILE
 from snapshots.pretrained import adopt_model_shape
 from storage.failures import StorageError, os_error_in
@@ -44,7 +43,6 @@ PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, 
 def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     """One launch. `keep_process_group`: leave the process group up at the end, for a caller that
     runs several launches in one torchrun job (the tests' workers)."""
-    faults.install()  # MINGPT_FAULT's faults into the hook points (observe/hooks.py), before anything runs
     cfg = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                       adopt=adopt_model_shape)
     if any(v is not None for v in (args.world_size, args.device_memory, args.reserve_memory, args.hardware)) \
@@ -61,7 +59,7 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         lock = lock_run_dir(run_dir, env.rank, env.distributed)  # before anything reads the folder
         trainer = build_trainer(cfg, env, run_dir, corpus=corpus)
-        with trainer.watchdog.watching(trainer.step):  # hangs from here to the last step (launch/watchdog.py)
+        with trainer.watchdog.watching(trainer.step):  # hangs from here to the last step (guards/watchdog.py)
             if not _resume(trainer, cfg, env, run_dir):
                 return 0
             _start(args, cfg, env, trainer, run_dir, auto_lines)

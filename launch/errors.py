@@ -1,7 +1,7 @@
 """How a launch ends when it refuses: one line, an exit code, and torchrun's error file.
 
 Bad input anywhere is a `UsageError` (config.py): one line on stderr (rank 0's), exit 2. A
-non-finite loss or weight is a `NonFiniteError` (observe/health.py): one line, exit 1. A snapshot
+non-finite loss or weight is a `NonFiniteError` (guards/health.py): one line, exit 1. A snapshot
 the storage refused (full, read-only, no permission, an I/O error) is a `StorageError`
 (storage/failures.py): one line naming the snapshot that stays the resume point, exit 3. Any other
 exception is a bug and keeps its traceback. Under torchrun the same line goes to the worker's
@@ -18,8 +18,8 @@ import warnings
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from config import Config, UsageError
-from observe.health import NonFiniteError
-from observe.replicas import ReplicaMismatch
+from guards.health import NonFiniteError
+from guards.replicas import ReplicaMismatch
 from storage.failures import STORAGE_EXIT, StorageError
 
 # How long a rank other than 0 waits before reporting an error under torchrun, so rank 0 (which

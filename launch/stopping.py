@@ -109,15 +109,3 @@ def interrupted_line(signum: int, command: str | None, final_snapshot: str | Non
                 f"be missing; to write model.pt: python export.py --run-dir {shlex.quote(str(run_dir))}")
     how = f"to relaunch: {command}" if command else "run the same command again to relaunch"
     return f"stopped by {name} during start-up: this launch saved nothing; {how}"
-
-
-class StopRequest:
-    """A signal handler (launch/app.py installs it for SIGTERM and SIGINT during training) that only records the first
-    signal's number. Nothing is interrupted: not a step, not a collective, not a snapshot write
-    (a second signal during the stop snapshot changes nothing); the loop reads it between steps."""
-
-    def __init__(self):
-        self.signum = 0
-
-    def __call__(self, signum, frame) -> None:
-        self.signum = self.signum or signum

@@ -1,6 +1,6 @@
 """Named hook points: the moments of a run where code installed from above may act, called by the
 lower layers that reach them. Nothing is installed by default, and then every hook does nothing
-but one dict look-up. launch/faults.py installs the faults of MINGPT_FAULT here (launch/app.py
+but one dict look-up. testing/faults.py installs the faults of MINGPT_FAULT here (launch/app.py
 calls it first); a test may install its own handler to act at one moment (turn a filesystem
 read-only at the save of step 10).
 

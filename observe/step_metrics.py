@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from parallel.strategy import Strategy
 
-MB = 10**6  # every memory figure the project prints or logs: SI megabytes, as costs/units.py
+MB = 10**6  # every memory figure the project prints or logs: SI megabytes, as planner/units.py
 
 
 def rss_peak_bytes() -> int:

@@ -132,7 +132,7 @@ def init_distributed(cfg: Config, timeout_s: float | None = None, config_file: s
     # On CUDA, CPU tensors get gloo in the same group: FSDP2's CPU offload keeps the sharded gradients
     # on the CPU and the gradient norm all-reduces them; NCCL alone refuses CPU tensors (pytorch#148532).
     group_backend = GPU_GROUP_BACKEND if backend == "nccl" else backend
-    if cfg.trainer.hang_timeout_s or backend == "nccl":  # the hang watchdog reads it (launch/watchdog.py); NCCL dumps it
+    if cfg.trainer.hang_timeout_s or backend == "nccl":  # the hang watchdog reads it (guards/watchdog.py); NCCL dumps it
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     if backend == "nccl":  # read when the NCCL group starts (the dump's file name: when it dumps)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # a timed-out collective dumps NCCL's recorder ...

@@ -126,7 +126,7 @@ class _Stage(PipelineStage):
         with sync_off:
             return module(*args, **kwargs)
 
-    # 2. On torch's fake process group (the dry run: costs/dry_run.py) nothing arrives, so the
+    # 2. On torch's fake process group (the dry run: tools/dry_run.py) nothing arrives, so the
     # shape inference's object messages cannot run: every stage gets static shapes
     # (`static_stage_args`), and the warm-up vote, whose answer is then known (every stage is
     # static), is not exchanged (a received tensor would be fake, and its `.item()` raises).

@@ -71,7 +71,7 @@ class Strategy:
     # ------------------------------------------------------------------ layout
 
     def params_replicated_over(self) -> str | None:
-        """The mesh dimension over which every rank holds the same local parameters (observe/replicas.py
+        """The mesh dimension over which every rank holds the same local parameters (guards/replicas.py
         compares them there), or None."""
         return None
 

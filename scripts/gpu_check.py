@@ -57,7 +57,7 @@ class Check:
 
     def env(self, **extra) -> dict:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled",
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                   PYTHONPATH=os.pathsep.join([str(REPO / "testing" / "boot"), str(REPO), os.environ.get("PYTHONPATH", "")]))
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
@@ -143,7 +143,7 @@ def probe_flight_recorder() -> None:
     import torch.distributed as dist
 
     from config import load_config
-    from launch.watchdog import flight_records
+    from guards.watchdog import flight_records
     from parallel.env import init_distributed
     env = init_distributed(load_config(None, ["trainer.device=cuda", "trainer.hang_timeout_s=30"]))
     t = torch.ones(1024, device=env.device)

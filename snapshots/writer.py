@@ -5,7 +5,7 @@ torch.save, which DCP writes each file with, turns a failed write of its zip con
 RuntimeError ("unexpected pos ...") raised while handling the real OSError (ENOSPC, EIO, ...).
 DCP sends each rank's exception to the others pickled, which drops that context, so the rank that
 met the error raises the OSError itself here and every rank's CheckpointException carries it
-(storage/failures.py finds it). The `eio:save:STEP:RANK` fault (launch/faults.py, through the
+(storage/failures.py finds it). The `eio:save:STEP:RANK` fault (testing/faults.py, through the
 `snapshot_filesystem` hook point of observe/hooks.py) swaps in a filesystem whose writes fail on
 that rank only.
 """
@@ -37,7 +37,7 @@ class SnapshotWriter(FileSystemWriter):
     def __init__(self, path: Path, step: int, rank: int):
         super().__init__(path)
         self.step, self.rank = step, rank
-        self.fs = hooks.snapshot_filesystem(self.fs, step, rank)  # launch/faults.py's eio: one whose writes fail
+        self.fs = hooks.snapshot_filesystem(self.fs, step, rank)  # testing/faults.py's eio: one whose writes fail
 
     def write_data(self, plan, planner):
         hooks.at("write", self.step, self.rank)  # a fault's kill or signal before this rank's files are written

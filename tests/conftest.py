@@ -1,5 +1,5 @@
 """pytest set-up: offline tiktoken, one torch thread per process, and the suite's device
-(MINGPT_TEST_DEVICE, launch/local.py): a session that asks for a device this machine lacks fails
+(MINGPT_TEST_DEVICE, testing/local.py): a session that asks for a device this machine lacks fails
 at once with one line, before any test runs (never a skip). pytest.ini puts the repository and
 tests/ on sys.path.
 
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from harness import device_problem
-from launch.local import CORPUS, DEVICE_ENV, REPO, TIKTOKEN_DIR, TINY, NotEnoughGPUs, device_env, python, torchrun
+from testing.local import CORPUS, DEVICE_ENV, REPO, TIKTOKEN_DIR, TINY, NotEnoughGPUs, device_env, python, torchrun
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 # Before CUDA starts in this process (it starts lazily): the tests that train in this process see
-# the same device environment as their torchrun children (launch.local.child_env).
+# the same device environment as their torchrun children (testing.local.child_env).
 os.environ.update(device_env())
 os.environ["WANDB_MODE"] = "offline"
 os.environ.pop("WANDB_API_KEY", None)
@@ -39,13 +39,13 @@ def pytest_configure(config):
 
 LAUNCH = "launch"
 # Every way this process can start another: subprocess (subprocess.run, torchrun and python of
-# launch/local.py, StreamedLaunch and os.popen go through Popen), the os calls that fork or exec
+# testing/local.py, StreamedLaunch and os.popen go through Popen), the os calls that fork or exec
 # without it, and multiprocessing (a Pool or a ProcessPoolExecutor starts Process objects; under
 # spawn and forkserver they exec without Popen, so Process.start is where to stop them).
 # No exception for application or library code that starts processes in a test's own process:
 # torch.compile on the CPU runs g++ and a python per kernel (inductor: 19 processes and ~20 s for a
 # function of 3 ops on this 2-core machine), prepare.py's corpus build starts a Pool of workers and
-# `main.py --plan` measures this machine with processes of costs/calibrate.py. A test that reaches
+# `main.py --plan` measures this machine with processes of tools/calibrate.py. A test that reaches
 # any of them is slow and competes for the cores, so it belongs in the launch tier too.
 PROCESS_STARTS = [(subprocess.Popen, "__init__", "subprocess.Popen"),
                   (multiprocessing.process.BaseProcess, "start", "multiprocessing Process.start")] + [

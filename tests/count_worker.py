@@ -19,9 +19,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from costs.measure import CollectiveCounter, loopback_tx_bytes
 from harness import run_worker
 from parallel.collectives import reduce_scatter
+from tools.measure import CollectiveCounter, loopback_tx_bytes
 
 ELEMS = 2**18  # 1 MiB of fp32
 

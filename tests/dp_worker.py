@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_data_parallel.py: many checks of the data-parallel strategies
 in ONE launch (imports cost 7-9 s per launch), results written by rank 0 under --out.
 
-  --case NAME "OVERRIDES"    K steps of TINY + overrides (costs.parity.run_steps) -> NAME.pt
+  --case NAME "OVERRIDES"    K steps of TINY + overrides (testing.parity.run_steps) -> NAME.pt
   --save NAME "OVERRIDES"    3 steps, then DCP-save strategy.state_dict() -> ckpt-NAME/, and the
                              whole (gathered) state -> ckpt-NAME.expected.pt
   --load CKPT NAME "OVERRIDES"  build a fresh run, load ckpt-CKPT/ (or the absolute path CKPT,
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from costs.parity import build, save_cases
 from harness import run_worker
 from parallel.dtensor import full_tensor
+from testing.parity import build, save_cases
 
 SAVE_STEPS = 3
 GROUP_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "eps", "params")

@@ -1,5 +1,5 @@
-"""What the tests share beyond launch/local.py (launching local processes under torchrun with the
-machine-wide lock, the tiny config, the device switch; shared with benchmarks/) and costs/parity.py
+"""What the tests share beyond testing/local.py (launching local processes under torchrun with the
+machine-wide lock, the tiny config, the device switch; shared with benchmarks/) and testing/parity.py
 (K steps of a layout against one process):
 
 - the suite's device check: a cuda session needs a GPU (tests/conftest.py refuses one without);
@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from launch.local import DEVICE, DEVICE_ENV, REPO, child_env, multiprocess_lock
+from testing.local import DEVICE, DEVICE_ENV, REPO, child_env, multiprocess_lock
 
 # How main.py's start-up line names global rank 0's device ("| device cpu").
 SHOWN_DEVICE = "cuda:0" if DEVICE == "cuda" else "cpu"
@@ -34,7 +34,7 @@ SHOWN_DEVICE = "cuda:0" if DEVICE == "cuda" else "cpu"
 def device_problem(device: str = DEVICE) -> str | None:
     """Why the suite cannot run on `device` (MINGPT_TEST_DEVICE) here; None when it can. A cuda
     session on fewer GPUs than a launch's ranks runs the rest and leaves that launch out, by name
-    (launch/local.py NotEnoughGPUs, tests/conftest.py)."""
+    (testing/local.py NotEnoughGPUs, tests/conftest.py)."""
     if device not in ("cpu", "cuda"):
         return f"{DEVICE_ENV}={device} is not one of cpu, cuda"
     gpus = torch.cuda.device_count() if device == "cuda" and torch.cuda.is_available() else 0
@@ -78,7 +78,7 @@ def model_tensors(run_dir: Path) -> dict:
 def run_worker(body: Callable[[argparse.Namespace], None],
                options: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
     """The skeleton of every tests/*_worker.py, run under torchrun (PYTHONPATH from
-    launch.local.child_env makes the repository importable): parse the common arguments and the
+    testing.local.child_env makes the repository importable): parse the common arguments and the
     worker's own (`options(parser)`), run `body(args)`, then end the process group.
 
     Common arguments: --out FOLDER (rank 0 writes its results there), --steps K (default 10),

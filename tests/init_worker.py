@@ -10,9 +10,9 @@ import json
 import torch
 import torch.distributed as dist
 
-from costs.parity import build
 from harness import run_worker
 from model import GPT, GPTConfig
+from testing.parity import build
 
 
 def body(args) -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from costs.measure import SavedBytes
-from costs.parity import build
 from harness import run_worker
+from testing.parity import build
+from tools.measure import SavedBytes
 
 
 def run_case(overrides: list[str], run_dir: Path) -> dict:

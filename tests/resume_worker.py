@@ -12,9 +12,9 @@ import json
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from costs.parity import build
 from harness import run_worker
-from launch.local import TINY
+from testing.local import TINY
+from testing.parity import build
 
 COMMON = TINY + ["model.dropout=0.1", "optimizer.lr_decay_steps=20", "trainer.sample_tokens=0",
           "trainer.eval_every=1000", "trainer.eval_batches=1"]

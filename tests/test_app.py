@@ -20,9 +20,9 @@ import export
 import main as app
 import sample
 from config import load_config
-from launch.local import CORPUS, TINY, python
 from launch.schedule import lr_at, total_steps
 from parallel.env import init_distributed
+from testing.local import CORPUS, TINY, python
 
 
 def model_pt(run_dir: Path) -> dict:

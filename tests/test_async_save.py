@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import DDP_REFERENCE
-from launch.local import torchrun
 from snapshots.store import list_snapshots, validate_snapshot
+from testing.local import torchrun
 
 pytestmark = pytest.mark.launch
 

@@ -1,4 +1,4 @@
-"""parallel.strategy=auto: the planner picks the layout at launch (costs/auto.py).
+"""parallel.strategy=auto: the planner picks the layout at launch (planner/auto.py).
 
 Under torchrun at 2 ranks the launch trains with the fastest predicted layout that fits, prints
 the choice and the runner-up after the start-up view, and config.yaml records the resolved
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import main as app
-from launch.local import TINY, torchrun
+from testing.local import TINY, torchrun
 
 
 @pytest.mark.launch

@@ -14,7 +14,7 @@ import pytest
 
 import main as app
 import plot
-from launch.local import REPO, TINY
+from testing.local import REPO, TINY
 
 SCRIPTS = ["main.py", "sample.py", "export.py", "plot.py", *sorted(  # benchmarks/_repo.py is imported, not run
     str(p.relative_to(REPO)) for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))]

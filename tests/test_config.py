@@ -19,8 +19,8 @@ import yaml
 
 import main as app
 from config import Config, load_config
-from launch.local import REPO, TINY, python
 from observe.redact import redact_url
+from testing.local import REPO, TINY, python
 
 YAML_PATH = REPO / "gpt2_train_cfg.yaml"
 

@@ -1,5 +1,5 @@
 """Ready for the first GPU, checked on this CPU machine: the suite's device switch
-(MINGPT_TEST_DEVICE: launch/local.py, tests/harness.py) and the CUDA-only branches that can be
+(MINGPT_TEST_DEVICE: testing/local.py, tests/harness.py) and the CUDA-only branches that can be
 exercised without a GPU (nn.DataParallel's replica threads, the GPU peak table, the TF32 switch)."""
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import torch.nn as nn
 import harness
 import parallel.env
 from config import UsageError, load_config
-from launch import local
-from launch.local import REPO, TINY, child_env
 from model import GPT, GPTConfig
 from observe import perf
 from parallel.dp import DataParallelStrategy
 from parallel.env import DistEnv, init_distributed
 from parallel.step import autocast
+from testing import local
+from testing.local import REPO, TINY, child_env
 
 
 @pytest.mark.launch

@@ -17,7 +17,7 @@ from char_dataset import Batching, CharDataset
 from config import DataConfig, UsageError
 from corpus.text import corpus_cache_path, fallback_corpus, load_corpus
 from corpus.tokenizers import CharTokenizer, GPT2Tokenizer
-from launch.local import TINY, python
+from testing.local import TINY, python
 
 # ----------------------------------------------------------------------------- tokenizers
 

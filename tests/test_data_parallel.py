@@ -1,6 +1,6 @@
 """The data-parallel family (dp, ddp, zero stages 1/2/3, fsdp) against one process.
 
-- parity with one process (costs/parity.py: first-step gradients <= 1e-6 abs, loss <= 1e-4 rel
+- parity with one process (testing/parity.py: first-step gradients <= 1e-6 abs, loss <= 1e-4 rel
   and gradient norm <= 1e-5 rel at each of 6 steps, parameters after the first and the last
   step <= 1e-5 abs; bf16/fp16: norm and parameters after the first step) at dp=2 (TINY:
   accumulation 2) and dp=4, incl. bucket/option variants, activation checkpointing, bf16
@@ -26,10 +26,10 @@ import torch
 
 import main as app
 from config import UsageError, load_config
-from costs.parity import FP16_SCALE, MIN_STEPS, PARAM_ATOL, assert_parity, load_case, parity_errors, run_steps
-from launch.local import TINY, python, torchrun
 from parallel.layout import Layout
 from parallel.strategy import Strategy
+from testing.local import TINY, python, torchrun
+from testing.parity import FP16_SCALE, MIN_STEPS, PARAM_ATOL, assert_parity, load_case, parity_errors, run_steps
 
 STEPS = MIN_STEPS  # the fewest the parity check accepts: the fixtures train ~30 cases
 ZERO = "parallel.strategy=zero parallel.zero_stage="

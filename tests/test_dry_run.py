@@ -1,16 +1,16 @@
-"""The dry run (main.py --dry-run, costs/dry_run.py): the real code of a layout on simulated
+"""The dry run (main.py --dry-run, tools/dry_run.py): the real code of a layout on simulated
 ranks of any world size in this process, beside the planner's prediction."""
 from __future__ import annotations
 
 import math
 
-import costs.engines
+import planner.engines
 from config import load_config
-from costs.activations import activation_model
-from costs.alternatives import check_layout
-from costs.inventory import gpt_config, held_tensors
-from costs.traffic import pp_collectives
 from main import main
+from planner.activations import activation_model
+from planner.alternatives import check_layout
+from planner.inventory import gpt_config, held_tensors
+from planner.traffic import pp_collectives
 
 TINY = ["trainer.device=cpu", "model.n_layer=8", "model.n_embd=64"]
 
@@ -25,7 +25,7 @@ def test_fsdp_tp_pp_at_512_ranks_agrees_with_the_plan(capsys):
 
 
 def test_a_planted_disagreement_exits_1_naming_rank_category_and_figures(capsys, monkeypatch):
-    monkeypatch.setattr(costs.engines, "ADAM_STATE_BYTES", 12)  # the planner now expects 1.5x the Adam state
+    monkeypatch.setattr(planner.engines, "ADAM_STATE_BYTES", 12)  # the planner now expects 1.5x the Adam state
     code = main(["--dry-run", "--world-size", "4", *TINY, "parallel.strategy=ddp"])
     out = capsys.readouterr().out
     assert code == 1
@@ -55,7 +55,7 @@ def test_hsdp_all_reduce_across_replicas_moves_the_padded_shard():
     cfg = load_config(None, [*TINY, "parallel.strategy=fsdp", "parallel.dp_replicate=2"])
     lay = check_layout(cfg, 8)  # 2 replica groups of 4 shards
     g = gpt_config(cfg, 65)
-    engine = costs.engines.engine_costs(lay, cfg.parallel)
+    engine = planner.engines.engine_costs(lay, cfg.parallel)
     held = held_tensors(g, lay)[0]
     (ar,) = [c for c in engine.collectives(held) if c.group == "dp_replicate"]
     padded_rows = sum(-(-t.shape[0] // 4) * math.prod(t.shape[1:]) for t in held)

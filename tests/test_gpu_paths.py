@@ -17,18 +17,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-import launch.watchdog as watchdog
+import guards.watchdog as watchdog
 import parallel.env
 from config import load_config
-from costs.auto import hardware_file_of
-from launch.local import REPO, child_env
-from observe.health import _NEVER, FiniteCheck
+from guards.health import _NEVER, FiniteCheck
 from observe.step_metrics import CudaPeaks
 from parallel.env import DistEnv, deterministic_mode
 from parallel.fsdp import FSDPStrategy
 from parallel.layout import Layout
 from parallel.parallelize import parallelize
 from parallel.strategy import Strategy
+from planner.auto import hardware_file_of
+from testing.local import REPO, child_env
 
 
 class _OnDevice(Strategy):
@@ -153,8 +153,8 @@ def test_on_a_gpu_the_straggler_figure_is_the_blocks_forward_gpu_time():
     """On a GPU the training thread's clock counts kernel launches and waiting, the same on every
     rank: the figure is the GPU time of each block's forward (an event pair per block, from module
     hooks), per step, spread over ranks as on the CPU."""
+    from guards.stragglers import GpuBlockClock, StragglerWatch
     from model import GPT, GPTConfig
-    from observe.stragglers import GpuBlockClock, StragglerWatch
     gpt = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=3, n_head=2, n_embd=16))
     clock = GpuBlockClock(list(gpt.blocks.values()), event=_FakeEvent)
     watch = StragglerWatch(0, 1, 0, False, announce=False, gpu_clock=clock)

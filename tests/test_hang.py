@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from conftest import DDP_REFERENCE
+from guards.watchdog import HANG_EXIT, RankReport, compact_ranks, hang_line
 from harness import StreamedLaunch
-from launch.local import rank_pid, torchrun, torchrun_argv
-from launch.watchdog import HANG_EXIT, RankReport, compact_ranks, hang_line
+from testing.local import rank_pid, torchrun, torchrun_argv
 
 COMMON = DDP_REFERENCE  # trainer.hang_timeout_s=3
 RESTART = ["--max-restarts=1", "--monitor-interval=0.2"]
@@ -103,7 +103,7 @@ def test_a_rank_blocked_outside_any_collective_is_named_with_where_it_is(tmp_pat
     assert len(lines) == 1, out[-4000:]
     assert re.match(
         rf"hang: rank 1 \(host {re.escape(HOST)}, local rank 1\) has not finished step 8 for \d+ s and never entered "
-        r"the collective the others wait in: it is at launch/faults.py:\d+ in block_forever; rank 0 waits in "
+        r"the collective the others wait in: it is at testing/faults.py:\d+ in block_forever; rank 0 waits in "
         r"\w+ #\d+ on \S+ \(", lines[0]), lines[0]
     assert f"exitcode  : {HANG_EXIT}" in r.stderr and lines[0] in r.stderr, r.stderr[-3000:]  # torchrun's summary
     assert {p.name for p in (run / "hang" / "attempt0").iterdir()} == {

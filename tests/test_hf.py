@@ -25,10 +25,10 @@ from config import load_config
 from corpus.text import load_corpus
 from corpus.tokenizers import tokenizer_from_dict
 from launch.build import build_trainer
-from launch.local import TINY, torchrun
 from parallel.env import init_distributed
 from snapshots.model_file import read_model_file
 from snapshots.pretrained import adopt_model_shape
+from testing.local import TINY, torchrun
 
 # A GPT-2 of the test size: 2 blocks, 2 heads (tp=2 splits them), the GPT-2 vocabulary.
 HF_SHAPE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)

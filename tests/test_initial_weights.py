@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from costs.parity import build
-from launch.local import torchrun
 from model import GPT, GPTConfig, initial_tensor
+from testing.local import torchrun
+from testing.parity import build
 
 WORLD4 = {
     "ddp dp4": "parallel.strategy=ddp",

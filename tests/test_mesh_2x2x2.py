@@ -4,7 +4,7 @@ trains, evaluates and writes model.pt on that mesh. Runs benchmarks/mesh_2x2x2.p
 one 8-process launch, conftest.eight_processes), which prints the figures."""
 import pytest
 
-from launch.local import python
+from testing.local import python
 
 pytestmark = pytest.mark.launch
 

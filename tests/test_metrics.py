@@ -27,12 +27,12 @@ import torch
 
 from config import load_config
 from launch.build import build_trainer
-from launch.local import TINY
 from observe import perf
 from observe.tracker import NullTracker
 from parallel.dp import DataParallelStrategy
 from parallel.env import DistEnv, init_distributed
 from parallel.strategy import Strategy
+from testing.local import TINY
 
 
 @pytest.fixture(autouse=True)

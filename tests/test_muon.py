@@ -20,11 +20,11 @@ import torch.optim._muon as torch_muon
 
 import main as app
 from config import UsageError, load_config
-from costs.parity import build
 from harness import app_in_process, model_tensors
-from launch.local import TINY
 from parallel.muon import MUON_MODULES, Muon, MuonWithAdamW, orthogonalize
 from parallel.options import problems
+from testing.local import TINY
+from testing.parity import build
 
 MUON = ["optimizer.name=muon"]
 COEFFICIENTS = (3.4445, -4.775, 2.0315)
@@ -104,7 +104,7 @@ def test_flat_slices_and_auto_are_refused_dtensor_shards_are_gathered(overrides,
         assert not list(problems(load_config(None, TINY + MUON + fine), 4)), fine
 
 
-# --plan measures this machine before it refuses (costs/calibrate.py starts processes): the test session's
+# --plan measures this machine before it refuses (tools/calibrate.py starts processes): the test session's
 # cache of the figures (conftest) starts empty
 @pytest.mark.parametrize("command", [pytest.param(["--plan", "--world-size", "4"], marks=pytest.mark.launch),
                                      ["--dry-run", "--world-size", "4"]])

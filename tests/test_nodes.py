@@ -1,8 +1,8 @@
 """Past one machine: two torchrun agents on this machine act as two nodes of one job
-(launch/multinode.py), and scripts/slurm/train.sbatch runs under stand-in srun/scontrol commands.
+(testing/multinode.py), and scripts/slurm/train.sbatch runs under stand-in srun/scontrol commands.
 
 - fsdp across the two "nodes" equals one process (losses and gradient norms at every step,
-  parameters after step 10: costs/parity.py's tolerances);
+  parameters after step 10: testing/parity.py's tolerances);
 - a worker SIGKILLed on one node under --max-restarts: both agents restart their workers, and the
   job ends bit-identical to the uninterrupted one;
 - elastic membership (--nnodes=1:2): one whole node is SIGKILLed after a snapshot; the other
@@ -29,10 +29,10 @@ import pytest
 import torch
 
 import main as app
-from costs.parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
 from harness import metric_rows, model_tensors
-from launch.local import REPO, TINY, child_env, multiprocess_lock, worker_pids
-from launch.multinode import (
+from snapshots.consolidate import consolidate
+from testing.local import REPO, TINY, child_env, multiprocess_lock, worker_pids
+from testing.multinode import (
     LAUNCH_TIMEOUT_S,
     free_port,
     kill_tree,
@@ -41,7 +41,7 @@ from launch.multinode import (
     wait_all,
     wait_for,
 )
-from snapshots.consolidate import consolidate
+from testing.parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
 
 STEPS = 40
 # log_every=1: a loss and a gradient norm for every step; snapshots every 10 steps.

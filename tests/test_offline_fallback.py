@@ -10,8 +10,8 @@ from __future__ import annotations
 import main as app
 import sample
 from config import TrainerConfig
-from launch.local import CORPUS, TINY
 from test_data import closed_port
+from testing.local import CORPUS, TINY
 
 
 def test_offline_fallback_trains_into_its_own_default_run_folder(tmp_path, monkeypatch, recwarn, capsys):

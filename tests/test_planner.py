@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import main as app
+import planner
 from config import load_config
-from costs import planner
-from costs.measure import SavedBytes
-from costs.schedule import bubble_fraction, rank_actions, simulated_bubble
-from launch.local import TINY, torchrun
 from model import GPT, lm_loss
+from planner.schedule import bubble_fraction, rank_actions, simulated_bubble
+from testing.local import TINY, torchrun
+from tools.measure import SavedBytes
 
 # The report's bar is 5% (docs/planner.md); predictions agree to the byte, except that the trainer's inputs and targets
 # are views of one (b, s + 1) window of token ids where the planner counts 8bs bytes for each
@@ -188,7 +188,7 @@ def test_interleaved_and_zero_bubble_replay_torchs_order(tmp_path):
 
 @pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8), (8, 16)])
 def test_played_out_schedules_give_the_interleaved_formula_and_zero_bubbles_real_bubble(pp, microbatches):
-    """The play of torch's action lists (costs/schedule.py) reproduces (p-1)/(v m+p-1) for the
+    """The play of torch's action lists (planner/schedule.py) reproduces (p-1)/(v m+p-1) for the
     interleaved 1F1B lists, so it can be trusted on the zero-bubble ones, whose weight passes fill
     most of 1F1B's bubble but not all: at p = 2, M = 4 rank 0 idles 1 unit of the 13 its 4 x (F,
     I, W) span."""

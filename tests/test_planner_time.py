@@ -1,4 +1,4 @@
-"""The planner's step time (costs/timing.py, costs/hardware.py) and a plan a user can act on.
+"""The planner's step time (planner/timing.py, planner/hardware.py) and a plan a user can act on.
 
 - step time on the shipped GPU descriptions: each term where the model puts it (tp inside a node,
   dp across nodes; FSDP2's gathers hidden behind compute, tp's all-reduces not; the bubble of
@@ -16,12 +16,13 @@ import re
 import pytest
 
 import main as app
+import planner
 from config import load_config
-from costs import planner
-from costs.auto import resolved_config
-from costs.hardware import Link, load_hardware
-from costs.timing import group_link
-from launch.local import TINY, python
+from planner.auto import resolved_config
+from planner.hardware import Link, load_hardware
+from planner.timing import group_link
+from testing.local import TINY, python
+from tools.calibrate import measure_local
 
 XL = ["data.tokenizer=gpt2", "model.n_layer=48", "model.n_head=25", "model.n_embd=1600",
       "model.block_size=1024", "trainer.batch_size=512", "trainer.precision=bf16"]
@@ -115,8 +116,8 @@ def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
 @pytest.mark.launch
 def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MINGPT_PEAK_CACHE", str(tmp_path / "peak-flops.json"))
-    first = load_hardware("local")
-    second = load_hardware("local")
+    first = load_hardware("local", measure=measure_local)
+    second = load_hardware("local", measure=measure_local)
     assert "measured" in first.source and "cached" in second.source
     assert first.intra_node == second.intra_node and first.intra_node.bandwidth > 0
     assert 0 < first.intra_node.latency < 0.1 and first.peak("fp32") > 0

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from launch.local import TINY, torchrun
 from observe.profiling import trace_names
+from testing.local import TINY, torchrun
 
 pytestmark = pytest.mark.launch
 

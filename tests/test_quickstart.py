@@ -16,7 +16,7 @@ import pytest
 
 from config import DataConfig
 from corpus.text import corpus_cache_path
-from launch.local import CORPUS, REPO, TORCHRUN, child_env, multiprocess_lock
+from testing.local import CORPUS, REPO, TORCHRUN, child_env, multiprocess_lock
 
 pytestmark = pytest.mark.launch
 

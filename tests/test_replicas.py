@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch.local import TINY, torchrun
-from observe.replicas import fingerprint
+from guards.replicas import fingerprint
 from snapshots.store import list_snapshots, validate_snapshot
+from testing.local import TINY, torchrun
 
 COMMON = TINY + ["trainer.max_steps=20", "trainer.save_every=5", "optimizer.lr_decay_steps=20"]
 

@@ -18,7 +18,7 @@ import json
 import pytest
 
 import main as app
-from launch.local import TINY, torchrun
+from testing.local import TINY, torchrun
 
 pytestmark = pytest.mark.launch
 

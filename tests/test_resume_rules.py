@@ -22,11 +22,11 @@ import torch
 from config import load_config
 from harness import app_in_process
 from launch.build import build_trainer
-from launch.local import CORPUS, TINY, torchrun
 from launch.schedule import lr_at
 from parallel.env import init_distributed
 from parallel.strategy import Strategy
 from snapshots.store import SnapshotManager
+from testing.local import CORPUS, TINY, torchrun
 
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "optimizer.lr_decay_steps=20"]
 

@@ -26,7 +26,7 @@ import pytest
 import main as app
 from config import UsageError
 from launch import runlock
-from launch.local import REPO, TINY, child_env, torchrun
+from testing.local import REPO, TINY, child_env, torchrun
 
 RUN = TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "trainer.save_every=2"]
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 import export
 import sample
 from harness import app_in_process
-from launch.local import TINY
+from testing.local import TINY
 
 ARGS = TINY + ["trainer.sample_tokens=0", "optimizer.lr_decay_steps=20", "parallel.strategy=none",
                "trainer.save_every=1"]

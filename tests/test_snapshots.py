@@ -16,7 +16,7 @@ import export as export_cmd
 import sample as sample_cmd
 from conftest import LONG_DDP_REFERENCE
 from harness import StreamedLaunch, app_in_process, metric_steps, model_tensors
-from launch.local import TINY, python, torchrun_argv, worker_pids
+from testing.local import TINY, python, torchrun_argv, worker_pids
 
 # The cosine schedule's length is fixed, so a run cut at step k and resumed with a larger
 # max_steps follows the same LR curve as the uninterrupted one.

@@ -10,9 +10,9 @@ import pytest
 import main as app
 from config import dump_yaml, load_config
 from harness import SHOWN_DEVICE
-from launch.local import TINY, torchrun
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
+from testing.local import TINY, torchrun
 
 
 def describe(world: int, overrides: list[str]) -> str:

@@ -22,9 +22,10 @@ from config import load_config
 from conftest import LONG_DDP_REFERENCE
 from harness import StreamedLaunch, metric_steps, model_tensors
 from launch.build import build_trainer
-from launch.local import REPO, TINY, child_env, multiprocess_lock, rank_pid, torchrun, torchrun_argv, worker_pids
 from launch.stopping import torchrun_command
 from parallel.env import init_distributed
+from testing import faults
+from testing.local import REPO, TINY, child_env, multiprocess_lock, rank_pid, torchrun, torchrun_argv, worker_pids
 
 # save_every=0: the only snapshots are the stop snapshots and the final one, so a relaunch can only
 # resume from what the stop wrote.
@@ -205,6 +206,7 @@ def test_nan_weights_in_one_process_are_never_snapshotted(tmp_path, capsys, monk
     run = tmp_path / "run"
     args = NAN + ["parallel.strategy=none", f"trainer.run_dir={run}"]
     monkeypatch.setenv("MINGPT_FAULT", "nan:update:4:0")  # the weights turn NaN in step 4's update
+    faults.install()  # this process runs the app: its hook points get the faults here
     capsys.readouterr()
     assert app.main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()

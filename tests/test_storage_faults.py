@@ -29,9 +29,9 @@ import torch
 import export
 import main as app
 import trainer as trainer_module
-from launch.local import REPO, TINY, child_env, torchrun
 from observe import hooks
 from snapshots.store import list_snapshots, validate_snapshot
+from testing.local import REPO, TINY, child_env, torchrun
 
 pytestmark = [pytest.mark.launch,
               pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")]

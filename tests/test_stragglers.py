@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from launch.local import REPO, TINY, child_env, multiprocess_lock, torchrun_argv, worker_pids, worker_rank
-from observe.stragglers import SLOW_WINDOWS, median_without, thread_clock_ns
+from guards.stragglers import SLOW_WINDOWS, median_without, thread_clock_ns
+from testing.local import REPO, TINY, child_env, multiprocess_lock, torchrun_argv, worker_pids, worker_rank
 
 BUSY = 4  # busy processes on rank 1's core: a strong slowdown, clear of other load on the machine
 CONFIG = TINY + ["parallel.strategy=ddp", "model.n_embd=64", "model.block_size=32", "trainer.max_steps=60",

@@ -18,8 +18,8 @@ import json
 
 import pytest
 
-from costs.measure import ring_moved
-from launch.local import TINY, python, torchrun
+from testing.local import TINY, python, torchrun
+from tools.measure import ring_moved
 
 pytestmark = pytest.mark.launch
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from launch.local import REPO
+from testing.local import REPO
 
 NOT_APPLICATION = ("tests", "benchmarks", "docs")
 MAX_ROOT_PY_FILES = 12
@@ -155,7 +155,7 @@ def test_no_import_cycle_among_the_application_modules():
 
 # ----------------------------------------------------------------------------- layers
 
-FAULTS = "launch.faults"  # the test faults, installed into the hook points by launch/app.py
+FAULTS = "testing.faults"  # the test faults, installed into the hook points by launch/app.py
 HOOKS = "observe.hooks"  # the hook points the lower layers call
 BELOW_FAULTS = ("parallel", "snapshots", "storage", "corpus", "observe", "model", "char_dataset", "trainer")
 BELOW_LAUNCH = ("snapshots",)  # imports nothing under launch/ at all
@@ -166,7 +166,7 @@ def _under(module: str, roots: tuple[str, ...]) -> bool:
 
 
 def layer_violations(edges: list[Edge]) -> list[str]:
-    """A lower layer (BELOW_FAULTS) importing launch.faults, snapshots/ importing anything under
+    """A lower layer (BELOW_FAULTS) importing testing.faults, snapshots/ importing anything under
     launch/, and the hook module or its package importing any other project module."""
     own = {HOOKS, HOOKS.rpartition(".")[0]}
     found: dict[tuple[str, int], Edge] = {}
@@ -175,7 +175,7 @@ def layer_violations(edges: list[Edge]) -> list[str]:
                  or (_under(e.source, BELOW_LAUNCH) and _under(e.target, ("launch",)))
                  or (e.source in own and e.target not in own))
         seen = found.get((e.source, e.line))
-        if wrong and (seen is None or len(e.target) > len(seen.target)):  # launch.faults, not launch
+        if wrong and (seen is None or len(e.target) > len(seen.target)):  # testing.faults, not launch
             found[(e.source, e.line)] = e
     return [f"{e.source} imports {e.target} (line {e.line}, {e.where})" for e in found.values()]
 
@@ -280,10 +280,10 @@ def test_the_checks_see_what_they_look_for():
     code = 'a = strategy.split("-")[1]\nb = cfg.parallel.strategy.partition("-")\nc = date.split("-")\n'
     assert [line for line, _ in dash_splits(ast.parse(code))] == [1, 2]
     level = "module level"
-    layered = [Edge("snapshots.store", "launch", 5, level), Edge("snapshots.store", "launch.faults", 5, level),
-               Edge("trainer", "launch.faults", 9, level), Edge("trainer", "launch.schedule", 10, level),
+    layered = [Edge("snapshots.store", "launch", 5, level), Edge("snapshots.store", "testing.faults", 5, level),
+               Edge("trainer", "testing.faults", 9, level), Edge("trainer", "launch.schedule", 10, level),
                Edge("observe.hooks", "parallel.env", 3, "in f()"), Edge("observe", "observe.hooks", 1, level),
-               Edge("launch.app", "launch.faults", 1, level)]
+               Edge("launch.app", "testing.faults", 1, level)]
     assert [p.split()[0] for p in layer_violations(layered)] == ["snapshots.store", "trainer", "observe.hooks"]
     cite = "issue" + " 12"  # spelled apart: a grep for issue citations finds none in this file
     text = f'"""Doc ({cite})."""\nx = 1  # see {cite.title()}\ny = "{cite} in a string is no comment"  # pytorch#135712\n'

@@ -21,8 +21,8 @@ from char_dataset import Batching, TokenDataset
 from corpus.build import start_method
 from corpus.token_files import GPT2_VOCAB, SIDECAR, TokenFiles, open_token_corpus, probe
 from corpus.tokenizers import CharTokenizer, GPT2Tokenizer
-from launch.local import TINY, python
 from test_config import digests
+from testing.local import TINY, python
 
 EOT = 50256
 # TINY on a token corpus: its data.truncate counts characters of a text, refused for tokens

@@ -1,6 +1,6 @@
 """Tensor parallel, pipeline parallel and their meshes against one process.
 
-Parity (costs/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 6 steps <= 1e-4
+Parity (testing/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 6 steps <= 1e-4
 relative, the logged gradient norm at each step <= 1e-5 relative, the parameters after the first
 and the last step <= 1e-5 abs (fp16: norm and parameters after the first step only, see
 parity.assert_parity), plus the validation loss after the last step (Trainer.evaluate: under pp
@@ -32,15 +32,15 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import main as app
 from config import UsageError, load_config
-from costs.fake_world import start_rank
-from costs.measure import CollectiveCounter
-from costs.parity import FP16_SCALE, LOSS_RTOL, MIN_STEPS, assert_parity, load_case, run_steps
 from harness import metric_rows
-from launch.local import TINY, torchrun
 from model import GPT, GPTConfig, lm_loss
 from parallel.dtensor import settle_partial_grads
 from parallel.layout import Layout
 from parallel.tp import apply_tensor_parallel
+from testing.local import TINY, torchrun
+from testing.parity import FP16_SCALE, LOSS_RTOL, MIN_STEPS, assert_parity, load_case, run_steps
+from tools.fake_world import start_rank
+from tools.measure import CollectiveCounter
 
 STEPS = 6  # each tp step costs ~0.6 s here (DTensor dispatch, gloo waits): 6 steps keep the suite short
 VAL_RTOL = 1e-4

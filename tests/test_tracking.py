@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from harness import metric_steps
-from launch.local import CORPUS, REPO, TINY, child_env, torchrun
+from testing.local import CORPUS, REPO, TINY, child_env, torchrun
 
 FAKE_KEY = "fakekey0SECRET0" + "0123456789abcdef" * 2  # 47 characters: never a real key
 METRIC_KEYS = {"loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "step_time_ms", "rss_peak_mb",
@@ -87,7 +87,7 @@ def read_wandb_run(run_folder: Path) -> dict:
 
 
 def main_env(tmp_path: Path, **extra) -> dict:
-    """launch.local.child_env plus wandb's own folders kept inside the test's tmp_path."""
+    """testing.local.child_env plus wandb's own folders kept inside the test's tmp_path."""
     home = tmp_path / "wandb-home"
     return child_env(WANDB_CONFIG_DIR=home / "config", WANDB_CACHE_DIR=home / "cache",
                      WANDB_DATA_DIR=home / "data", WANDB_ARTIFACT_DIR=home / "artifacts", **extra)

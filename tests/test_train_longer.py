@@ -15,8 +15,8 @@ from pathlib import Path
 
 from config import load_config
 from harness import app_in_process
-from launch.local import TINY
 from launch.schedule import lr_at
+from testing.local import TINY
 
 BASE = TINY + ["parallel.strategy=none", "trainer.sample_tokens=20"]
 

@@ -3,7 +3,7 @@
 - peak FLOP/s: the best matmul rate of one process in the training's dtype (observe/perf.py's CPU
   peak, cached in its own file);
 - the link: a gloo all-reduce between 2 local processes (started here, holding the machine-wide
-  multi-process lock of launch/local.py), each call after a few ms of matmuls as in a step, the
+  multi-process lock of tools/processes.py), each call after a few ms of matmuls as in a step, the
   mean counted: a 4 KB all-reduce gives the latency per ring step (2 ranks: 2 steps), an 8 MB
   one the bandwidth (2 ranks: each sends K);
 - memory bandwidth: the best copy of a 64 MB tensor (the optimizer step streams model state);
@@ -27,14 +27,12 @@
 
 The last seven are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
-version. `spawn=False` (a launch under torchrun, whose cores are busy and which holds the lock)
-never starts processes: without a cache it uses the UNCALIBRATED figures below and says so.
-Every local link is one class: there is no second node to measure, so inter_node = intra_node.
+version: planner/local_hardware.py reads them, and calls `measure_local` only where its caller
+passes it (`python main.py --plan`; a launch never measures).
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -47,70 +45,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from launch.local import child_env, multiprocess_lock
 from model import GPT, Block, GPTConfig, lm_loss
-from observe.perf import cpu_peak, machine_fingerprint, peak_cache_path
+from observe.perf import cpu_peak
 from parallel.tp import apply_tensor_parallel
-from storage.files import atomic_write_text
+from tools.processes import child_env, multiprocess_lock
 
-UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
-                "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0,
-                "step_overhead": 0.0, "busy_node_slowdown": 1.0}
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
-
-
-def cache_path() -> Path:
-    return peak_cache_path().with_name("local-hardware.json")
-
-
-def local_figures(precision: str, spawn: bool = True) -> dict:
-    """This machine as a hardware description (costs/hardware.py's YAML keys)."""
-    threads = torch.get_num_threads()
-    per_node = max(1, len(os.sched_getaffinity(0)) // threads)
-    key = machine_fingerprint("local hardware")
-    path = cache_path()
-    cached = _read(path).get(key)
-    how = f"cached in {path}"
-    if not isinstance(cached, dict) or set(cached) != set(UNCALIBRATED):
-        if spawn:
-            cached, how = measure_local(), f"measured, cached in {path}"
-            _store(path, key, cached)
-        else:
-            cached, how = dict(UNCALIBRATED), "UNCALIBRATED defaults: run `python main.py --plan` once to measure"
-    peak = cpu_peak(precision)[0]
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    link = {"bandwidth": cached["bandwidth"], "latency": cached["latency"]}
-    return {"name": "local", "source": f"this machine ({how})", "devices_per_node": per_node,
-            "memory": f"{ram // per_node}B", "peak_flops": {precision: peak, "fp32": cpu_peak("fp32")[0]},
-            "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
-            "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
-            "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
-            "sp_overhead": cached["sp_overhead"], "step_overhead": cached["step_overhead"],
-            "busy_node_slowdown": cached["busy_node_slowdown"],
-            "overlap": False,  # one process per core: the cores do the collectives' work (costs/hardware.py)
-            "shared_node": True,  # a local launch of more ranks than cores shares them
-            "reduce_scatter_as_all_reduce": True}  # gloo's reduce_scatter_tensor is an all-reduce
-
-
-def _read(path: Path) -> dict:
-    """The cached figures; a missing or damaged file reads as none (measured again)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _store(path: Path, key: str, figures: dict) -> None:
-    data = _read(path)
-    data[key] = figures
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-    except OSError:  # a cache only: the next plan measures again
-        pass
 
 
 def measure_local() -> dict:
@@ -159,7 +101,7 @@ def measure_link_and_engines(timeout_s: float = 180) -> dict:
     the fake process group with this process's thread count. One launch: a process's imports cost
     seconds."""
     with tempfile.TemporaryDirectory() as tmp, multiprocess_lock():
-        procs = [subprocess.Popen([sys.executable, "-m", "costs.calibrate", str(r), str(Path(tmp) / "store"),
+        procs = [subprocess.Popen([sys.executable, "-m", "tools.calibrate", str(r), str(Path(tmp) / "store"),
                                    str(torch.get_num_threads())],
                                   env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(2)]

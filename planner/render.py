@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from costs.records import LayoutPlan, Plan
-from costs.units import fmt_bytes
+from planner.records import LayoutPlan, Plan
+from planner.units import fmt_bytes
 
 LEGEND = """\
 per rank, the fullest rank (GB = 10^9 bytes); a = parameters held, n = dp ranks, K = bytes of a collective's payload
@@ -98,7 +98,7 @@ def refusal_groups(refused: dict[str, str]) -> list[str]:
 
 
 def explain_time(lp: LayoutPlan) -> list[str]:
-    """Each term of the first row's predicted step time (costs/timing.py)."""
+    """Each term of the first row's predicted step time (planner/timing.py)."""
     t = lp.time
     if t is None:
         return []

@@ -2,19 +2,19 @@
 activations tensor-parallel ranks exchange around every block (`tp_collective`), the activations
 and their gradients crossing stage boundaries, and the tied embedding/head gradient reduced
 between the first and the last stage (`pp_collectives`). The data-parallel engines' traffic is
-costs/engines.py's.
+planner/engines.py's.
 
 E = b s h elements of one micro-batch's (b, s, h) activation, e bytes each; per rank on a ring of
 t ranks an all-reduce moves 2K(t-1)/t and an all-gather or reduce-scatter K(t-1)/t.
 """
 from __future__ import annotations
 
-from costs.activations import ActivationModel
-from costs.inventory import PARAM_BYTES, RankTensors
-from costs.records import Collective, PlannedLayout
-from costs.units import ceil_div
 from model import GPTConfig
 from parallel.options import Engine
+from planner.activations import ActivationModel
+from planner.inventory import PARAM_BYTES, RankTensors
+from planner.records import Collective, PlannedLayout
+from planner.units import ceil_div
 
 
 def _tp_calls(lay: PlannedLayout, blocks: int, first: bool, last: bool) -> tuple[int, int, str]:
@@ -75,7 +75,7 @@ def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages
         vloc = ceil_div(g.vocab_size, tp if lay.tp_vocab_parallel else 1)
         if lay.strategy in (Engine.FSDP, Engine.ZERO3) and lay.dp_shard > 1:
             # parallel/pp.py all-reduces the local gradient: under FSDP2 that is the dp shard
-            # (found by the dry run: costs/dry_run.py)
+            # (found by the dry run: tools/dry_run.py)
             vloc = ceil_div(vloc, lay.dp_shard)
         kt = vloc * g.n_embd * PARAM_BYTES
         out.append(Collective("all-reduce", "tied", "tied embedding/head gradient, first + last stage",

@@ -1,5 +1,5 @@
 """`python main.py --dry-run --world-size N [overrides]`: the real code of a launch of N ranks, run
-for every distinct rank role in this one process (costs/fake_world.py), beside the planner's
+for every distinct rank role in this one process (tools/fake_world.py), beside the planner's
 prediction for the same ranks.
 
 Roles: one pp rank per distinct set of stages (first, middle and last stage, and any stage with
@@ -7,7 +7,7 @@ another block count), each at the first and the last dp and tp position (the las
 shorter chunks of an uneven split). Per simulated rank it compares parameters, gradients and
 Adam state (Strategy.resident_bytes), bytes saved for backward per micro-batch (SavedBytes) and
 bytes moved per collective kind (CollectiveCounter, ring volumes; the gradient norm's small
-reductions are listed, not compared) with `costs.planner`'s figures of that pp rank. The planner
+reductions are listed, not compared) with `planner`'s figures of that pp rank. The planner
 predicts the fullest position (dp 0, tp 0): there a figure must agree within 1% both ways; at the
 last positions it must not exceed the prediction by more than 1%. Exit 0 when every figure
 agrees, 1 naming each disagreement (rank, category, both figures); a layout the launch's checks
@@ -24,17 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import Config, UsageError
-from costs.activations import activation_model
-from costs.alternatives import check_layout, refuse_unplanned_optimizer
-from costs.engines import engine_costs
-from costs.fake_world import RankMeasurement, fake_world, measure_rank, start_rank
-from costs.inventory import gpt_config, held_tensors, vocab_size
-from costs.layout_plan import rank_collectives, rank_memory
-from costs.measure import Call
-from costs.records import PlannedLayout
-from costs.schedule import inflight_per_stage
-from costs.units import fmt_bytes
 from parallel.layout import Layout
+from planner.activations import activation_model
+from planner.alternatives import check_layout, refuse_unplanned_optimizer
+from planner.engines import engine_costs
+from planner.inventory import gpt_config, held_tensors, vocab_size
+from planner.layout_plan import rank_collectives, rank_memory
+from planner.records import PlannedLayout
+from planner.schedule import inflight_per_stage
+from planner.units import fmt_bytes
+from tools.fake_world import RankMeasurement, fake_world, measure_rank, start_rank
+from tools.measure import Call
 
 TOLERANCE = 0.01  # a figure further than 1% from the planner's is a disagreement
 MOVED_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")  # planner's Collective.kind
@@ -93,7 +93,7 @@ def role_ranks(lay: Layout) -> list[int]:
 
 def predictions(cfg: Config, lay: PlannedLayout, vocab: int) -> list[tuple[dict[str, int], dict[str, int]]]:
     """Per pp rank, the planner's (memory by category, bytes moved by collective kind), as
-    costs.layout_plan.plan_layout computes them for every pp rank."""
+    planner.layout_plan.plan_layout computes them for every pp rank."""
     g = gpt_config(cfg, vocab)
     engine, am = engine_costs(lay, cfg.parallel), activation_model(cfg, lay.strategy)
     inflight = inflight_per_stage(lay) if lay.pp > 1 else [{0: 1}]

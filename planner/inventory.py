@@ -17,9 +17,9 @@ from pathlib import Path
 from config import Config, UsageError
 from corpus.text import corpus_cache_path
 from corpus.tokenizers import TOKENIZER_FILE, load_tokenizer_record
-from costs.records import PlannedLayout
-from costs.units import ceil_div, numel
 from model import GPTConfig
+from planner.records import PlannedLayout
+from planner.units import ceil_div, numel
 
 GPT2_VOCAB = 50257  # tiktoken r50k_base, the GPT-2 BPE (char_dataset.GPT2Tokenizer)
 PARAM_BYTES = 4  # the model's parameters (and so their gradients) are fp32 under every precision

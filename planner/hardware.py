@@ -4,8 +4,8 @@ A `Hardware` is one node's per-device figures: peak FLOP/s per dtype, memory, me
 the two link classes a collective can run on (inside a node: NVLink; across nodes: the network,
 per device) with a latency per ring step and a bandwidth in one direction, the devices per node,
 and the fraction of the peak the model's forward and backward reach. Shipped descriptions are
-YAML files in costs/hardware/ (each figure beside the URL it comes from); `local` is this
-machine, measured once and cached (costs/calibrate.py). A name that is neither, or a file that
+YAML files in planner/hardware/ (each figure beside the URL it comes from); `local` is this
+machine, measured once and cached (tools/calibrate.py, read by planner/local_hardware.py). A name that is neither, or a file that
 is not a complete description, is one line and exit 2.
 """
 from __future__ import annotations
@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from config import UsageError
-from costs.calibrate import local_figures
-from costs.units import parse_bytes
+from planner.local_hardware import local_figures
+from planner.units import parse_bytes
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
 DTYPES = ("fp32", "bf16", "fp16")
@@ -54,12 +55,12 @@ class Hardware:
     # on a CPU, whose cores do a collective's copies and sums themselves: nothing is hidden
     overlap: bool = True
     # every rank of the job runs on this one machine (`local`): ranks beyond devices_per_node share
-    # its cores, each computing at devices_per_node / world of one (costs/timing.py)
+    # its cores, each computing at devices_per_node / world of one (planner/timing.py)
     shared_node: bool = False
     # the backend has no ring reduce-scatter and runs it as an all-reduce (gloo: twice the bytes and
     # ring steps; measured by benchmarks/bytes_per_strategy.py). The project's ZeRO and FSDP2 plug in
     # their own ring (parallel/collectives.py); DTensor's sequence parallelism does not, so its
-    # reduce-scatters pay it (costs/timing.py)
+    # reduce-scatters pay it (planner/timing.py)
     reduce_scatter_as_all_reduce: bool = False
     # how much slower one device computes while every device of its node computes too (>= 1): CPU
     # cores share the memory system and caches (local measures it with 2 processes); a GPU's own
@@ -74,11 +75,12 @@ def shipped_names() -> list[str]:
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
 
 
-def load_hardware(spec: str, precision: str = "fp32", calibrate: bool = True) -> Hardware:
-    """`local` (this machine: costs/calibrate.py; `calibrate`=False never starts processes), a
-    shipped name (costs/hardware/NAME.yaml) or a YAML file; UsageError otherwise."""
+def load_hardware(spec: str, precision: str = "fp32", measure: Callable[[], dict] | None = None) -> Hardware:
+    """`local` (this machine, as cached by tools/calibrate.py; `measure`, e.g. its measure_local,
+    runs when nothing is cached, else the UNCALIBRATED figures: planner/local_hardware.py), a
+    shipped name (planner/hardware/NAME.yaml) or a YAML file; UsageError otherwise."""
     if spec == "local":
-        return hardware_of(local_figures(precision, spawn=calibrate), "local")
+        return hardware_of(local_figures(precision, measure), "local")
     path = HARDWARE_DIR / f"{spec}.yaml" if spec in shipped_names() else Path(spec).expanduser()
     if not path.is_file():
         raise UsageError(f"--hardware '{spec}' is neither local, a shipped description "
@@ -87,7 +89,7 @@ def load_hardware(spec: str, precision: str = "fp32", calibrate: bool = True) ->
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise UsageError(f"--hardware file '{spec}' cannot be read as YAML ({type(e).__name__}); "
-                         f"fix it (costs/hardware/*.yaml shows the format)") from None
+                         f"fix it (planner/hardware/*.yaml shows the format)") from None
     return hardware_of(raw, str(path))
 
 
@@ -98,14 +100,14 @@ def _number(raw: dict, key: str, where: str) -> float:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise UsageError(f"--hardware file '{where}' needs {key}: a positive number "
-                         f"(got {raw.get(key) if isinstance(raw, dict) else raw!r}); costs/hardware/*.yaml shows the format")
+                         f"(got {raw.get(key) if isinstance(raw, dict) else raw!r}); planner/hardware/*.yaml shows the format")
     return value
 
 
 def hardware_of(raw, where: str) -> Hardware:
     """A Hardware from a parsed YAML description; UsageError naming the first bad key."""
     if not isinstance(raw, dict):
-        raise UsageError(f"--hardware file '{where}' must be a mapping of keys; costs/hardware/*.yaml shows the format")
+        raise UsageError(f"--hardware file '{where}' must be a mapping of keys; planner/hardware/*.yaml shows the format")
     peaks = raw.get("peak_flops")
     if not isinstance(peaks, dict) or "fp32" not in peaks:
         raise UsageError(f"--hardware file '{where}' needs peak_flops with at least fp32 (and bf16, fp16): "

@@ -74,7 +74,7 @@ class Collective:
     moved_bytes: int  # what one rank sends per step on a ring
     formula: str
     calls: int = 1  # calls per optimizer step (each pays the link's latency per ring step)
-    overlaps: bool = False  # issued while compute goes on (costs/timing.py says which and why)
+    overlaps: bool = False  # issued while compute goes on (planner/timing.py says which and why)
     # of a "tp" record: the calls and moved bytes that are reduce-scatters (sequence parallelism's),
     # which a backend without a ring reduce-scatter runs as all-reduces (Hardware.reduce_scatter_as_all_reduce)
     reduce_scatter_calls: int = 0
@@ -100,7 +100,7 @@ class RankMemory:
 
 @dataclass
 class TimeTerm:
-    """One term of a predicted step time (costs/timing.py): its seconds, and the part of them the
+    """One term of a predicted step time (planner/timing.py): its seconds, and the part of them the
     step waits for (overlapped communication is hidden behind compute up to the compute's length)."""
     name: str
     seconds: float
@@ -110,7 +110,7 @@ class TimeTerm:
 
 @dataclass
 class StepTime:
-    """A layout's predicted optimizer step on one `Hardware` (costs/hardware.py)."""
+    """A layout's predicted optimizer step on one `Hardware` (planner/hardware.py)."""
     hardware: str
     step_s: float  # the sum of the terms' exposed seconds
     tokens_per_s: float

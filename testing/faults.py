@@ -1,7 +1,7 @@
 """Faults caused on purpose, for the tests: `MINGPT_FAULT=ACTION:WHERE:STEP:RANK[,ACTION:WHERE:STEP:RANK...]`.
 
 STEP may be '*'. Faults fire on the first launch attempt only, so a group that torchrun restarts
-can finish. `install` (called first by launch/app.py's run) puts them into the hook points of
+can finish. `install` (run at start-up in every process the tests start: testing/boot/sitecustomize.py) puts them into the hook points of
 observe/hooks.py when MINGPT_FAULT is set; each point reads MINGPT_FAULT again when reached. The
 WHEREs are those points: `train` (trainer.py, the model built, before the loop's first step:
 STEP is the step it starts at), `save` (snapshots/store.py, right after a rank wrote its shards of
@@ -121,7 +121,9 @@ def eio_filesystem_if_asked(fs: FileSystem, step: int, rank: int) -> FileSystem:
 
 def install() -> None:
     """Put the faults into the hook points of observe/hooks.py when MINGPT_FAULT is set (nothing
-    when it is not, so a handler a test installed stays). Called first by launch/app.py's run."""
+    when it is not, so a handler a test installed stays). Run at start-up by every process the
+    tests start (testing/boot/sitecustomize.py); a test that runs the app in its own process calls
+    it after setting MINGPT_FAULT."""
     if not os.environ.get("MINGPT_FAULT"):
         return
     hooks.install("train", fault_point)

@@ -1,24 +1,24 @@
 """One layout's prediction: `plan_layout` puts the pieces together for every pipeline rank.
 
-Per pp rank: the parameters it holds (costs/inventory.py), what its data-parallel engine keeps and
-moves (costs/engines.py), the activations of its stages times the micro-batches its schedule keeps
-in flight (costs/activations.py, costs/schedule.py), and the tensor/pipeline traffic
-(costs/traffic.py). The layout's record carries the fullest rank's memory and the busiest rank's
+Per pp rank: the parameters it holds (planner/inventory.py), what its data-parallel engine keeps and
+moves (planner/engines.py), the activations of its stages times the micro-batches its schedule keeps
+in flight (planner/activations.py, planner/schedule.py), and the tensor/pipeline traffic
+(planner/traffic.py). The layout's record carries the fullest rank's memory and the busiest rank's
 collectives.
 """
 from __future__ import annotations
 
 from config import Config
-from costs.activations import ActivationModel, activation_model, rank_activation_bytes, transient_bytes
-from costs.engines import EngineCosts, engine_costs
-from costs.hardware import Hardware
-from costs.inventory import ADAM_STATE_BYTES, RankTensors, held_tensors
-from costs.records import Collective, LayoutPlan, PlannedLayout, RankMemory
-from costs.schedule import bubble_fraction, inflight_per_stage
-from costs.timing import compute_dtype, step_time
-from costs.traffic import pp_collectives, tp_collective
 from model import GPTConfig
 from parallel.options import Engine
+from planner.activations import ActivationModel, activation_model, rank_activation_bytes, transient_bytes
+from planner.engines import EngineCosts, engine_costs
+from planner.hardware import Hardware
+from planner.inventory import ADAM_STATE_BYTES, RankTensors, held_tensors
+from planner.records import Collective, LayoutPlan, PlannedLayout, RankMemory
+from planner.schedule import bubble_fraction, inflight_per_stage
+from planner.timing import compute_dtype, step_time
+from planner.traffic import pp_collectives, tp_collective
 
 
 def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,

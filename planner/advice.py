@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 
 from config import Config, UsageError
-from costs.alternatives import plan
-from costs.hardware import Hardware
-from costs.render import display_name, fmt_seconds
-from costs.units import fmt_bytes
+from planner.alternatives import plan
+from planner.hardware import Hardware
+from planner.render import display_name, fmt_seconds
+from planner.units import fmt_bytes
 
 MICRO_BATCHES = (8, 4, 2, 1)
 

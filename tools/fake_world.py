@@ -38,12 +38,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from char_dataset import Batching
 from config import Config
-from costs.measure import Call, CollectiveCounter, SavedBytes
 from model import GPT, GPTConfig
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
 from parallel.strategy import Strategy
 from snapshots.state_split import split_state
+from tools.measure import Call, CollectiveCounter, SavedBytes
 from trainer import Trainer
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from config import Config
-from costs.records import PlannedLayout
-from costs.units import ceil_div
 from model import GPTConfig
 from parallel.options import Engine
+from planner.records import PlannedLayout
+from planner.units import ceil_div
 
 
 @dataclass

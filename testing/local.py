@@ -18,11 +18,9 @@ benchmarks share to run N ranks on this machine.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -30,12 +28,14 @@ import torch
 
 from config import UsageError
 from launch.errors import reject_dashed_overrides
+from tools.processes import child_env as base_child_env
+from tools.processes import multiprocess_lock
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 CORPUS = SHARED / "data" / "tinyshakespeare.txt"
 TIKTOKEN_DIR = SHARED / "data" / "tiktoken"
-LOCK = Path(os.environ.get("MINGPT_TEST_LOCK", "/tmp/mingpt-parallel-multiprocess.lock"))
+FAULT_BOOT = REPO / "testing" / "boot"  # sitecustomize.py: installs MINGPT_FAULT's faults in every child
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the `torchrun` script runs
 
 DEVICE_ENV = "MINGPT_TEST_DEVICE"
@@ -75,28 +75,15 @@ TINY = [
 
 
 def child_env(**extra) -> dict:
-    """The environment of a local child process: one thread, a 60 s process-group timeout, offline
-    tiktoken and wandb, the repository importable (PYTHONPATH), the device's variables, and `extra`."""
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MINGPT_PG_TIMEOUT="60", PYTHONUNBUFFERED="1",
-               TIKTOKEN_CACHE_DIR=str(TIKTOKEN_DIR), WANDB_MODE="offline", WANDB_SILENT="true",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    """The environment of a local child process (tools/processes.py's: one thread, a 60 s
+    process-group timeout, the repository importable) with offline tiktoken and wandb, the device's
+    variables, the test faults' boot folder (FAULT_BOOT) on PYTHONPATH, and `extra`."""
+    env = base_child_env(TIKTOKEN_CACHE_DIR=str(TIKTOKEN_DIR), WANDB_MODE="offline", WANDB_SILENT="true")
+    env["PYTHONPATH"] = str(FAULT_BOOT) + os.pathsep + env["PYTHONPATH"]
     env.pop("WANDB_API_KEY", None)
     env.update(device_env())
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-@contextmanager
-def multiprocess_lock():
-    """The machine-wide lock every multi-process launch holds while it runs."""
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def torchrun_argv(nproc: int, args: list[str], extra_torchrun: list[str] = (),

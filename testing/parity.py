@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from config import load_config
 from launch.build import build_trainer
-from launch.local import TINY
 from parallel.env import init_distributed
+from testing.local import TINY
 
 GRAD_ATOL = 1e-6  # first-step gradients, absolute
 LOSS_RTOL = 1e-4  # per-step losses, relative

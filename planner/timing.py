@@ -1,4 +1,4 @@
-"""A layout's predicted optimizer step time on a `Hardware` (costs/hardware.py): `step_time`.
+"""A layout's predicted optimizer step time on a `Hardware` (planner/hardware.py): `step_time`.
 
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
@@ -8,7 +8,7 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
                 (+ fsdp_overhead under FSDP2)     fixed host work
     recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
-    bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (costs/schedule.py)
+    bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (planner/schedule.py)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
 
@@ -44,12 +44,12 @@ counts model FLOPs only (6N + 12 L h s per token, no recomputation) over every r
 """
 from __future__ import annotations
 
-from costs.hardware import Hardware, Link
-from costs.inventory import RankTensors
-from costs.records import Collective, PlannedLayout, StepTime, TimeTerm
-from costs.schedule import bubble_fraction
-from costs.units import ceil_div
 from model import GPTConfig
+from planner.hardware import Hardware, Link
+from planner.inventory import RankTensors
+from planner.records import Collective, PlannedLayout, StepTime, TimeTerm
+from planner.schedule import bubble_fraction
+from planner.units import ceil_div
 
 OPTIMIZER_BYTES = 32  # AdamW per element: read p, g, m, v (16) and write p, m, v (12), + the clip norm's read
 

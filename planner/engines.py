@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from config import ParallelConfig
-from costs.inventory import ADAM_STATE_BYTES, PARAM_BYTES, RankTensors
-from costs.records import Collective, PlannedLayout
-from costs.units import ceil_div, numel
 from parallel.options import Engine
+from planner.inventory import ADAM_STATE_BYTES, PARAM_BYTES, RankTensors
+from planner.records import Collective, PlannedLayout
+from planner.units import ceil_div, numel
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -258,7 +258,7 @@ class FullyShardCosts(EngineCosts):
         gathers = 2 if self.reshard_after_forward else 1
         group = "dp_shard" if self.replicas > 1 else "dp"
         # FSDP2 moves padded dim-0 chunks, ceil(dim0 / s) rows on each of s ranks (at dp 64 the
-        # small tensors' padding is 3.7% of a GPT's bytes: found by the dry run, costs/dry_run.py)
+        # small tensors' padding is 3.7% of a GPT's bytes: found by the dry run, tools/dry_run.py)
         padded = sum(self.share(t.shape) for t in held) * self.ranks
         units = held.blocks + 1  # fully_shard per block + the root
         ag = gathers * padded * self.gathered_bytes * self.microbatches

@@ -2,7 +2,7 @@
 
 Rank 0 plans the launched world size for every pipeline schedule, micro-batch count and
 activation checkpointing on and off (each plan covers every strategy x tp x pp the launch checks
-accept, under tp with the faster LM head: costs/alternatives.py head_choices), keeps the layouts that fit `parallel.device_memory` (default: the GPU's memory less the
+accept, under tp with the faster LM head: planner/alternatives.py head_choices), keeps the layouts that fit `parallel.device_memory` (default: the GPU's memory less the
 runtime reserve; on CPU no limit unless set) and takes the fastest predicted one; every rank gets
 the resolved `parallel` section by a broadcast, so all ranks run the same layout whatever each
 would measure. The resolved section, with `auto_world_size` set to the world size, is what
@@ -26,13 +26,13 @@ import torch.distributed as dist
 import yaml
 
 from config import Config, ParallelConfig, UsageError
-from costs.alternatives import DataParallelChoice, check_layout, layout_config, plan
-from costs.hardware import Hardware, load_hardware
-from costs.records import LayoutPlan
-from costs.render import display_name, fmt_seconds
-from costs.units import default_reserve, fmt_bytes, parse_bytes
 from parallel.env import DistEnv
 from parallel.options import Engine
+from planner.alternatives import DataParallelChoice, check_layout, layout_config, plan
+from planner.hardware import Hardware, load_hardware
+from planner.records import LayoutPlan
+from planner.render import display_name, fmt_seconds
+from planner.units import default_reserve, fmt_bytes, parse_bytes
 
 SCHEDULES = ({"pp_schedule": "1f1b"}, {"pp_schedule": "gpipe"},
              {"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2})
@@ -57,10 +57,10 @@ def hardware_for(env: DistEnv, precision: str) -> Hardware:
             spec = FALLBACK_GPU_HARDWARE
             if env.rank == 0:
                 warnings.warn(f"no hardware file describes the {name}: parallel.strategy=auto plans it as "
-                              f"{spec} (costs/hardware/{spec}.yaml); --plan --hardware FILE describes another GPU",
+                              f"{spec} (planner/hardware/{spec}.yaml); --plan --hardware FILE describes another GPU",
                               stacklevel=2)
         return load_hardware(spec, precision)
-    return load_hardware("local", precision, calibrate=False)
+    return load_hardware("local", precision)
 
 
 def budget(cfg: Config, env: DistEnv) -> tuple[int | None, int]:

@@ -17,14 +17,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from config import Config, ParallelConfig, UsageError, validate
-from costs.hardware import Hardware
-from costs.inventory import gpt_config, parameter_inventory, vocab_size
-from costs.layout_plan import plan_layout
-from costs.records import LayoutPlan, Plan, PlannedLayout
-from costs.units import numel
 from model import GPTConfig
 from parallel.layout import Layout
 from parallel.options import PP_ONLY, STRATEGY_ONLY, TP_ONLY, ZERO_STAGE_ONLY, Engine
+from planner.hardware import Hardware
+from planner.inventory import gpt_config, parameter_inventory, vocab_size
+from planner.layout_plan import plan_layout
+from planner.records import LayoutPlan, Plan, PlannedLayout
+from planner.units import numel
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,24 @@
-"""The ranks' agreement on a stop signal during training (launch/stopping.py has the rest)."""
+"""A stop signal during training: recorded (`StopRequest`, the handler), then agreed by every rank
+(`StopVote`), so all stop after the same step and save it. What a stopped launch prints, and the
+handling outside the step loop, are launch/stopping.py's."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from launch.stopping import StopRequest
 from parallel.env import control_group
+
+
+class StopRequest:
+    """A signal handler (launch/app.py installs it for SIGTERM and SIGINT during training) that only records the
+    first signal's number. Nothing is interrupted: not a step, not a collective, not a snapshot write
+    (a second signal during the stop snapshot changes nothing); the loop reads it between steps."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.signum = self.signum or signum
 
 
 class StopVote:

@@ -1,7 +1,7 @@
 """Two torchrun agents on this machine acting as two nodes of one job (tests/test_nodes.py and
 benchmarks/elastic_membership.py): each agent in its own session, meeting in a c10d rendezvous at
 127.0.0.1 as the nodes of a real multi-node job meet at the first node's address. The two agents
-together are one multi-process job: they hold the machine-wide lock of launch/local.py."""
+together are one multi-process job: they hold the machine-wide lock of testing/local.py."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from launch.local import DEVICE, REPO, child_env, multiprocess_lock, torchrun_argv, worker_pids
+from testing.local import DEVICE, REPO, child_env, multiprocess_lock, torchrun_argv, worker_pids
 
 # Rendezvous knobs (--rdzv-conf), set for a fast run: with --nnodes=1:2 a round that has its
 # minimum waits last_call_timeout for more nodes; a round must complete within join_timeout; a
@@ -76,7 +76,7 @@ def two_nodes(logs: Path, args: list[str], nnodes: str = "2", max_restarts: int 
     loopback address (--local-addr), and the rendezvous orders nodes by address: B gets global
     rank 0 (the rank that holds the run folder's lock and writes metrics and outputs), so losing
     B also moves rank 0 and the lock to the other node. (Ordered by the agents' pids otherwise,
-    which wrap around.) On cuda (MINGPT_TEST_DEVICE, launch/local.py) each node sees a GPU of its own,
+    which wrap around.) On cuda (MINGPT_TEST_DEVICE, testing/local.py) each node sees a GPU of its own,
     as separate machines would: B GPU 0, A GPU 1."""
     port, job = free_port(), f"job{os.getpid()}-{time.monotonic_ns()}"
     env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # the README's multi-node setting

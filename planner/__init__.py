@@ -26,15 +26,15 @@ Where each part lives (docs/planner.md has the formulas and their measurement):
 """
 from __future__ import annotations
 
-from costs.advice import fit_advice
-from costs.alternatives import DataParallelChoice, check_layout, plan
-from costs.hardware import Hardware, load_hardware
-from costs.inventory import gpt_config, parameter_inventory, vocab_size
-from costs.layout_plan import plan_layout
-from costs.records import Collective, LayoutPlan, Plan, PlannedLayout, RankMemory, StepTime
-from costs.render import render
-from costs.schedule import inflight_per_stage
-from costs.units import default_reserve, fmt_bytes, numel, parse_bytes
+from planner.advice import fit_advice
+from planner.alternatives import DataParallelChoice, check_layout, plan
+from planner.hardware import Hardware, load_hardware
+from planner.inventory import gpt_config, parameter_inventory, vocab_size
+from planner.layout_plan import plan_layout
+from planner.records import Collective, LayoutPlan, Plan, PlannedLayout, RankMemory, StepTime
+from planner.render import render
+from planner.schedule import inflight_per_stage
+from planner.units import default_reserve, fmt_bytes, numel, parse_bytes
 
 __all__ = ["Collective", "DataParallelChoice", "Hardware", "LayoutPlan", "Plan", "PlannedLayout", "RankMemory",
            "StepTime", "check_layout", "default_reserve", "fit_advice", "fmt_bytes", "gpt_config", "inflight_per_stage",

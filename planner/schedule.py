@@ -14,7 +14,7 @@ import functools
 
 from torch.distributed.pipelining import schedules
 
-from costs.records import PlannedLayout
+from planner.records import PlannedLayout
 
 
 def inflight_per_stage(lay: PlannedLayout) -> list[dict[int, int]]:

@@ -1,0 +1,74 @@
+"""`--hardware local` as the planner reads it: this machine's figures from the cache that
+tools/calibrate.py fills (measured once per machine, keyed like observe/perf.py's CPU peak cache by
+CPU model, threads and torch version), or the UNCALIBRATED defaults where none is cached and the
+caller passes no `measure` (a launch under torchrun, whose cores are busy, never measures).
+Every local link is one class: there is no second node to measure, so inter_node = intra_node.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from observe.perf import cpu_peak, machine_fingerprint, peak_cache_path
+from storage.files import atomic_write_text
+
+UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
+                "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0,
+                "step_overhead": 0.0, "busy_node_slowdown": 1.0}
+
+
+def cache_path() -> Path:
+    return peak_cache_path().with_name("local-hardware.json")
+
+
+def local_figures(precision: str, measure: Callable[[], dict] | None = None) -> dict:
+    """This machine as a hardware description (planner/hardware.py's YAML keys). `measure`
+    (tools/calibrate.py's measure_local) runs where nothing is cached; None: the UNCALIBRATED figures."""
+    threads = torch.get_num_threads()
+    per_node = max(1, len(os.sched_getaffinity(0)) // threads)
+    key = machine_fingerprint("local hardware")
+    path = cache_path()
+    cached = _read(path).get(key)
+    how = f"cached in {path}"
+    if not isinstance(cached, dict) or set(cached) != set(UNCALIBRATED):
+        if measure is not None:
+            cached, how = measure(), f"measured, cached in {path}"
+            _store(path, key, cached)
+        else:
+            cached, how = dict(UNCALIBRATED), "UNCALIBRATED defaults: run `python main.py --plan` once to measure"
+    peak = cpu_peak(precision)[0]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link = {"bandwidth": cached["bandwidth"], "latency": cached["latency"]}
+    return {"name": "local", "source": f"this machine ({how})", "devices_per_node": per_node,
+            "memory": f"{ram // per_node}B", "peak_flops": {precision: peak, "fp32": cpu_peak("fp32")[0]},
+            "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
+            "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
+            "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
+            "sp_overhead": cached["sp_overhead"], "step_overhead": cached["step_overhead"],
+            "busy_node_slowdown": cached["busy_node_slowdown"],
+            "overlap": False,  # one process per core: the cores do the collectives' work (planner/hardware.py)
+            "shared_node": True,  # a local launch of more ranks than cores shares them
+            "reduce_scatter_as_all_reduce": True}  # gloo's reduce_scatter_tensor is an all-reduce
+
+
+def _read(path: Path) -> dict:
+    """The cached figures; a missing or damaged file reads as none (measured again)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _store(path: Path, key: str, figures: dict) -> None:
+    data = _read(path)
+    data[key] = figures
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError:  # a cache only: the next plan measures again
+        pass
