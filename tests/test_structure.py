@@ -81,15 +81,22 @@ def _with_packages(name: str, modules: set[str]) -> list[str]:
 
 
 def _targets(node, source: str, is_package: bool, modules: set[str]) -> list[str]:
-    """The project modules an import statement runs."""
+    """The project modules an import statement runs. A package above `source` counts only where the
+    statement names it (`import pkg`, or `from pkg import NAME` of a name that is no submodule): that
+    importing pkg.sibling first runs pkg/__init__.py is the face of a package (its __init__ hands
+    its modules' names on), no cycle."""
+    ancestors = {".".join(source.split(".")[:i]) for i in range(1, source.count(".") + 1)}
     if isinstance(node, ast.Import):
-        return [t for alias in node.names for t in _with_packages(alias.name, modules)]
+        return [t for alias in node.names for t in _with_packages(alias.name, modules)
+                if t not in ancestors or t == alias.name]
     base = node.module or ""
     if node.level:  # relative: from the importing module's package
         package = source.split(".") if is_package else source.split(".")[:-1]
         package = package[:len(package) - (node.level - 1)]
         base = ".".join(package + ([node.module] if node.module else []))
-    found = _with_packages(base, modules) if base else []
+    names_base = any(f"{base}.{alias.name}" not in modules for alias in node.names)
+    found = [t for t in (_with_packages(base, modules) if base else [])
+             if t not in ancestors or (t == base and names_base)]
     for alias in node.names:  # `from pkg import module` imports a submodule
         sub = f"{base}.{alias.name}" if base else alias.name
         if sub in modules:
@@ -275,6 +282,10 @@ def test_the_checks_see_what_they_look_for():
         ("typing", None), ("y", None), ("z", "f")]
     assert _targets(ast.parse("from parallel import env").body[0], "main", False, {"parallel", "parallel.env"}) \
         == ["parallel", "parallel.env"]
+    package = {"p", "p.a", "p.b"}  # p/__init__.py hands on p.a's names; p.b imports p.a, or a name of p
+    assert _targets(ast.parse("from p.a import f").body[0], "p.b", False, package) == ["p.a"]
+    assert _targets(ast.parse("from p import f").body[0], "p.b", False, package) == ["p"]
+    assert _targets(ast.parse("from p import a").body[0], "p.b", False, package) == ["p.a"]
     assert [n for n, _, lines in functions(ast.parse("class A:\n    def m(self):\n" + "        x = 1\n" * 60))
             if lines > MAX_FUNCTION_LINES] == ["A.m"]
     code = 'a = strategy.split("-")[1]\nb = cfg.parallel.strategy.partition("-")\nc = date.split("-")\n'
