@@ -18,30 +18,31 @@ derives them per dp rank, so tp peers share one).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from char_dataset import Batching, TokenDataset
-from config import Config, UsageError
+from config import Config
 from guards.health import FiniteCheck
 from guards.replicas import check_replicas
 from guards.stop import StopRequest, StopVote
-from guards.stragglers import GpuBlockClock, StragglerWatch
+from guards.stragglers import StragglerWatch
 from guards.watchdog import HangWatchdog
-from launch.schedule import lr_at, schedule_change, total_steps
 from model import ModelCost
 from observe import hooks
-from observe.perf import Peak, set_fp32_matmul_mode
+from observe.perf import Peak
 from observe.profiling import StepProfiler
 from observe.step_metrics import CudaPeaks, RunSummary, StepWindow, memory_row
 from observe.tracker import NullTracker, Progress, RunTracker
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
 from snapshots.meta import SnapshotMeta
 from snapshots.model_file import ModelFile, write_model_file
-from snapshots.resume import nothing_left_message, refuse_another_run, rng_state, set_rng_state
+from snapshots.resume import refuse_another_run, rng_state, set_rng_state
 from snapshots.store import SnapshotManager
 
 
@@ -54,56 +55,65 @@ def seed_rng(seed: int, step: int, dp_rank: int) -> None:
     torch.manual_seed(seed + 1 + dp_rank + 1_000_003 * step)
 
 
+@dataclass
+class Guards:
+    """What watches the loop (guards/): the stop signal recorded during training, the hang
+    watchdog (the launcher runs resume and train() inside `watchdog.watching`), the finite check,
+    the straggler watch."""
+    stop_request: StopRequest
+    watchdog: HangWatchdog
+    finite: FiniteCheck
+    stragglers: StragglerWatch
+
+
+@dataclass
+class TrainerParts:
+    """Everything a Trainer runs with, built by launch/build.py (build_parts). `strategy` holds
+    the model already (Strategy.setup); `model_cost`: the whole model, counted before the split;
+    `lr_factor(step)`: the LR schedule as a multiple of optimizer.lr; `max_steps`: the run's length
+    (trainer.max_epochs converted); `resume_from`: the snapshot this launch resumes from (path and
+    record, rank 0's choice broadcast), None for step 0; `peak_label`: the MFU peak's label, the
+    same on every rank."""
+    cfg: Config
+    data: TokenDataset
+    tokenizer: object  # corpus/tokenizers.py: CharTokenizer | GPT2Tokenizer (None in the dry run)
+    strategy: Strategy
+    run_dir: Path
+    model_config: dict  # GPTConfig as a dict
+    model_cost: ModelCost
+    max_steps: int
+    optimizer: torch.optim.Optimizer
+    lr_factor: Callable[[int], float]
+    scaler: object | None  # parallel/scaler.py's grad scaler (fp16), else None
+    snapshots: SnapshotManager
+    peak: Peak
+    peak_label: str
+    profiler: StepProfiler
+    guards: Guards
+    resume_from: tuple[Path, dict] | None = None
+    data_source: str = ""  # where the corpus came from (the start-up view)
+    init_from: Path | None = None  # the weights file the model was loaded from (model.init_from)
+
+
 class Trainer:
-    def __init__(self, cfg: Config, data: TokenDataset, tokenizer, strategy: Strategy, run_dir: Path,
-                 model_config: dict, model_cost: ModelCost, data_source: str = "", init_from: Path | None = None):
-        """Collective (the tracker rank shares its peak FLOP/s). `strategy` holds the model already
-        (Strategy.setup); `model_cost`: what the whole model costs, counted before the split;
-        `data_source`: where the corpus came from (for the start-up view); `init_from`: the weights
-        file the model was loaded from (model.init_from), None for a seeded init."""
-        self.cfg, self.data, self.tokenizer, self.strategy, self.run_dir = cfg, data, tokenizer, strategy, run_dir
-        self.model_config, self.model_cost = model_config, model_cost  # model_config: GPTConfig as a dict
-        self.data_source, self.init_from = data_source, init_from
-        self.max_steps = total_steps(cfg, data)
-        data.check_batch(cfg.trainer.batch_size)
-        self.batching = Batching(cfg.trainer.batch_size, strategy.dp_rank, strategy.dp_size)
-        self.optimizer = strategy.build_optimizer()
-        self._lr_factor = lambda s: lr_at(s, cfg, self.max_steps) / cfg.optimizer.lr
-        self.scheduler = LambdaLR(self.optimizer, self._lr_factor)
-        self.scaler = strategy.make_grad_scaler()
+    def __init__(self, parts: TrainerParts):
+        """The step loop over `parts` (launch/build.py builds them; the Trainer builds none)."""
+        self.parts = parts
+        self.cfg, self.data, self.tokenizer, self.strategy = parts.cfg, parts.data, parts.tokenizer, parts.strategy
+        self.run_dir, self.model_config, self.model_cost = parts.run_dir, parts.model_config, parts.model_cost
+        self.max_steps, self.optimizer, self.scaler = parts.max_steps, parts.optimizer, parts.scaler
+        self.snapshots, self.peak, self.profiler, self.guards = parts.snapshots, parts.peak, parts.profiler, parts.guards
+        self.batching = Batching(self.cfg.trainer.batch_size, self.strategy.dp_rank, self.strategy.dp_size)
+        self.scheduler = LambdaLR(self.optimizer, parts.lr_factor)
         self.step = 0
         self.tracker = NullTracker()
         self.tracker_run_id: str | None = None
-        self.snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, strategy.env.rank,
-                                         strategy.env.distributed, background=cfg.trainer.async_save)
-        set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
-        self.peak = Peak(strategy.device, strategy.compute_precision, cfg.trainer.peak_flops, strategy.is_tracker)
-        self.peak_label = self._tracker_peak_label()
         self.held_bytes: dict[str, int] = {}  # Strategy.resident_bytes, read on log steps
         self.cuda_peaks = CudaPeaks()  # the allocator's peak per log window (reset after each) and over the run
         self.last_val_loss: float | None = None
         self.last_snapshot: Path | None = None  # the newest snapshot this launch resumed from or wrote
         self.resumed_from: Path | None = None  # the snapshot resume() loaded
-        self.stop_request = StopRequest()
-        self.schedule_note: str | None = None  # set by resume() when the LR schedule runs differently
         self.rng_note: str | None = None  # set by resume() when the snapshot lacks some generator's state
-        self._snapshot_decay: int | None = None  # the cosine length the resumed snapshot was trained with
-        self.finite = FiniteCheck(strategy)
-        env = strategy.env  # launch/app.py runs resume and train() inside self.watchdog.watching(step)
-        self.watchdog = HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,
-                                     env.distributed, run_dir)
-        self.profiler = StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device)
-        gpu_clock = GpuBlockClock([b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]) \
-            if strategy.device.type == "cuda" else None  # a GPU's own time: guards/stragglers.py
-        self.stragglers = StragglerWatch(env.rank, env.world_size, env.local_rank, env.distributed, strategy.is_tracker,
-                                         gpu_clock)
-
-    def _tracker_peak_label(self) -> str:
-        """The peak is looked up on the tracker rank only (it may measure); every rank learns its label."""
-        shared = [self.peak.label]
-        if self.strategy.env.distributed:
-            dist.broadcast_object_list(shared, src=self.strategy.tracker_rank)
-        return shared[0]
 
     # ------------------------------------------------------------------ resume state
 
@@ -143,19 +153,10 @@ class Trainer:
         return self.last_snapshot
 
     def resume(self) -> SnapshotMeta | None:
-        """Load the newest valid snapshot according to trainer.resume (its path becomes
+        """Load the snapshot the builder chose (`parts.resume_from`; its path becomes
         `last_snapshot`); returns its record, or None when this launch starts at step 0."""
-        mode = self.cfg.trainer.resume
-        if mode == "never":
-            if self.snapshots.has_any():
-                raise UsageError(f"{self.snapshots.snap_dir} already holds snapshots and trainer.resume="
-                                 f"never; pick another trainer.run_dir or set trainer.resume=auto")
-            return None
-        found = self.snapshots.find_latest()
+        found = self.parts.resume_from
         if found is None:
-            if mode == "require":
-                raise UsageError(f"trainer.resume=require but {self.snapshots.snap_dir} holds no valid "
-                                 f"snapshot; set trainer.resume=auto to start fresh")
             return None
         path, record = found
         meta = SnapshotMeta.from_record(record)
@@ -188,7 +189,7 @@ class Trainer:
         # the step), so what runs is what config.yaml says.
         for group, mine in zip(self.optimizer.param_groups, configured):
             group.update(mine)
-        self.scheduler = LambdaLR(self.optimizer, self._lr_factor, last_epoch=self.step - 1)
+        self.scheduler = LambdaLR(self.optimizer, self.parts.lr_factor, last_epoch=self.step - 1)
         if "rng" in tensors:
             gpus = self.strategy.rng_gpus
             set_rng_state({dev: tensors["rng"][self._rng_key(dev)] for dev in rng_state(gpus)}, gpus)
@@ -196,13 +197,7 @@ class Trainer:
             seed_rng(self.cfg.trainer.seed, self.step, self.strategy.dp_rank)
         self.tracker_run_id = meta.tracker_run_id
         self.last_snapshot = self.resumed_from = path
-        self.schedule_note, self._snapshot_decay = schedule_change(self.cfg, self.data, meta, self.step, self.max_steps)
         return meta
-
-    def nothing_left_message(self) -> str:
-        """The one line of a launch that resumed at or past its last step (main exits 0 after it)."""
-        decay = self._snapshot_decay or self.cfg.optimizer.lr_decay_steps or self.max_steps
-        return nothing_left_message(self.cfg, self.run_dir, self.step, self.max_steps, decay)
 
     # ------------------------------------------------------------------ tracking
 
@@ -270,7 +265,7 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the global batch of self.step. Returns (loss, grad norm)."""
-        with self.stragglers.timed(), self.profiler.around(self.step):  # guards/stragglers.py, observe/profiling.py
+        with self.guards.stragglers.timed(), self.profiler.around(self.step):  # guards/stragglers.py, observe/profiling.py
             loss = self.forward_backward()
             return loss, self.optimizer_step()
 
@@ -293,19 +288,19 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _save_checked(self) -> Path:
-        self.finite.check(self.step, self.last_snapshot, params=True)  # never snapshot a diverged state: it would become the resume point
+        self.guards.finite.check(self.step, self.last_snapshot, params=True)  # never snapshot a diverged state: it would become the resume point
         check_replicas(self.strategy, self.optimizer, self.step, self.last_snapshot)  # nor a silently corrupted one
-        with self.watchdog.phase("snapshot"):
+        with self.guards.watchdog.phase("snapshot"):
             return self.save_snapshot()
 
     def train(self) -> RunSummary:
-        """The step loop. When `self.stop_request` records a signal, every rank stops after the same
+        """The step loop. When `guards.stop_request` records a signal, every rank stops after the same
         step and saves a snapshot of it (the summary's `stopped` and `snapshot`). Raises
         NonFiniteError (on every rank) instead of saving a non-finite state."""
         t, s = self.cfg.trainer, self.strategy
         progress = Progress(self.max_steps, self.step, enabled=s.is_tracker)
         window, tokens_per_sec = StepWindow(), 0.0
-        vote = StopVote(self.stop_request, s.env.distributed)
+        vote = StopVote(self.guards.stop_request, s.env.distributed)
         stopped, snapshot = 0, None
         hooks.at("train", self.step, s.env.rank)  # built, resumed, nothing of the first step run yet
         while self.step < self.max_steps:
@@ -313,8 +308,8 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             loss, norm = self.train_step()
             hooks.after_update(self.step, s.env.rank, s.unwrapped()[0])
-            self.watchdog.beat(self.step)
-            self.finite.note_loss(loss, self.step)
+            self.guards.watchdog.beat(self.step)
+            self.guards.finite.note_loss(loss, self.step)
             window.add(self._step_seconds(t0))  # train step only: eval/save excluded
             last = self.step == self.max_steps
             stop = vote.result()
@@ -323,7 +318,7 @@ class Trainer:
                 tokens_per_sec = row["tokens_per_sec"]
                 progress.update(self.step, row)
             if self._is_eval_step(self.step):
-                with self.watchdog.phase("evaluation"):
+                with self.guards.watchdog.phase("evaluation"):
                     self.last_val_loss = row["val_loss"] = self.evaluate()
                 progress.message(f"step {self.step}: val loss {self.last_val_loss:.4f}")
             if row:
@@ -348,13 +343,13 @@ class Trainer:
         """Collective. The metrics of a log step: the loss averaged over ranks, speed over the
         window since the last log step, memory (max over ranks). Checks the loss is finite first."""
         s = self.strategy
-        self.finite.check(self.step, self.last_snapshot, params=False)
+        self.guards.finite.check(self.step, self.last_snapshot, params=False)
         check_replicas(s, self.optimizer, self.step, self.last_snapshot)  # cheap: ~14 GB/s per CPU thread
         seconds = window.close()
         tokens_per_sec = self.cfg.trainer.batch_size * self.cfg.model.block_size / seconds
         return dict(loss=float(s.reduce_mean(loss)), lr=lr, grad_norm=float(norm), tokens_per_sec=tokens_per_sec,
                     mfu=self.peak.mfu(self.model_cost.flops_per_token, tokens_per_sec, s.num_devices),
-                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes, self.cuda_peaks), **self.stragglers.row(self.step),
+                    step_time_ms=1000 * seconds, **memory_row(s, self.held_bytes, self.cuda_peaks), **self.guards.stragglers.row(self.step),
                     **self.snapshots.pop_timing())
 
     # ------------------------------------------------------------------ outputs

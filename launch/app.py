@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from config import Config, UsageError, dump_yaml, load_config
 from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
-from launch.build import build_trainer, fallback_corpus
+from launch.build import build_parts, fallback_corpus
 from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
-from launch.schedule import schedule_notes
+from launch.schedule import schedule_change, schedule_notes
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
 from model import GPT, GPTConfig
 from observe.perf import cpu_devices
@@ -33,6 +33,7 @@ from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
 from planner.auto import choose_layout
 from snapshots.model_file import MODEL_FILE
 from snapshots.pretrained import adopt_model_shape
+from snapshots.resume import nothing_left_message
 from storage.failures import StorageError, os_error_in
 from storage.files import atomic_write_text
 from trainer import Trainer
@@ -58,11 +59,13 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
         corpus = fallback_corpus(cfg, env)  # may move run_dir: before the lock
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         lock = lock_run_dir(run_dir, env.rank, env.distributed)  # before anything reads the folder
-        trainer = build_trainer(cfg, env, run_dir, corpus=corpus)
-        with trainer.watchdog.watching(trainer.step):  # hangs from here to the last step (guards/watchdog.py)
-            if not _resume(trainer, cfg, env, run_dir):
+        parts = build_parts(cfg, env, run_dir, corpus=corpus)
+        trainer = Trainer(parts)
+        with parts.guards.watchdog.watching(trainer.step):  # hangs from here to the last step (guards/watchdog.py)
+            go_on, schedule_note = _resume(trainer, cfg, env, run_dir)
+            if not go_on:
                 return 0
-            _start(args, cfg, env, trainer, run_dir, auto_lines)
+            _start(args, cfg, env, trainer, run_dir, auto_lines + ([schedule_note] if schedule_note else []))
             summary = train_until_stopped(trainer)
         if summary.stopped:
             trainer.close_tracker()
@@ -89,39 +92,36 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     return 0
 
 
-def _resume(trainer: Trainer, cfg: Config, env: DistEnv, run_dir: Path) -> bool:
-    """Resume from the newest valid snapshot (trainer.resume). False: a finished run was
-    relaunched, which has nothing to do (one line says so; no eval, export, sample or tracker
-    run would be new)."""
+def _resume(trainer: Trainer, cfg: Config, env: DistEnv, run_dir: Path) -> tuple[bool, str | None]:
+    """Resume from the snapshot the builder chose (launch/build.py start_from). Returns (go on,
+    the note of a resume whose LR schedule changed, or None). Not going on: a finished run was
+    relaunched, which has nothing to do (one line says so; no eval, export, sample or tracker run
+    would be new)."""
     meta = trainer.resume()
-    if meta is None and cfg.model.init_from and trainer.init_from is None:
-        # build_trainer skipped init_from because the folder holds snapshots (a resume wins),
-        # and the model is already split; none was valid, so rather than train from random
-        # weights, say how to start over from init_from.
-        raise UsageError(f"{run_dir / 'snapshots'} holds no valid snapshot to resume; move that folder "
-                         f"aside to start over from model.init_from")
+    note, decay = schedule_change(cfg, trainer.data, meta, trainer.step, trainer.max_steps) \
+        if meta is not None else (None, None)
     if meta is not None and trainer.step >= trainer.max_steps:
         if env.rank == 0:
-            print(trainer.nothing_left_message(), flush=True)
-        return False
+            decay = decay or cfg.optimizer.lr_decay_steps or trainer.max_steps
+            print(nothing_left_message(cfg, run_dir, trainer.step, trainer.max_steps, decay), flush=True)
+        return False, None
     trainer.snapshots.check_room()  # a disk still full: stop now, not at the next save
-    return True
+    return True, note
 
 
 def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer, run_dir: Path,
-           auto_lines: list[str]) -> None:
-    """Every check has passed: from here on this launch writes into the run folder. `auto_lines`:
-    what parallel.strategy=auto chose (and the runner-up), printed after the start-up view."""
+           notes: list[str]) -> None:
+    """Every check has passed: from here on this launch writes into the run folder. `notes`:
+    what parallel.strategy=auto chose (and the runner-up), and how a resume changed the LR
+    schedule, printed after the start-up view."""
     write_start_files(trainer, cfg, env, run_dir)
     trainer.open_tracker()  # on the one rank that holds the reduced loss
     if env.rank == 0:
         if args.print_config:
             print(dump_yaml(cfg), end="", flush=True)
         print(startup_view(args, cfg, env, trainer), flush=True)
-        for line in auto_lines:
+        for line in notes:
             print(line, flush=True)
-        if trainer.schedule_note:  # a resume whose LR schedule changed: says how, after the view
-            print(trainer.schedule_note, flush=True)
         if trainer.rng_note:  # a resume that restarts dropout's random streams
             print(trainer.rng_note, flush=True)
         for note in schedule_notes(cfg, trainer.max_steps):
@@ -153,16 +153,17 @@ def startup_view(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: T
     """The few lines a launch prints before training (the whole config: --print-config and
     <run_dir>/config.yaml). Printed only once every check has passed, so bad input shows only
     its one error line."""
-    strategy, data, tok, t = trainer.strategy, trainer.data, trainer.tokenizer, cfg.trainer
+    parts, t = trainer.parts, cfg.trainer
+    strategy, data, tok = parts.strategy, parts.data, parts.tokenizer
     start = (f"resumed from {trainer.resumed_from} at step {trainer.step}" if trainer.resumed_from else "from step 0") + \
-        (f", weights from {trainer.init_from}" if trainer.init_from else "")
+        (f", weights from {parts.init_from}" if parts.init_from else "")
     return (f"config: {args.config} + {redact_url(' '.join(args.overrides)) or 'no overrides'} "
             f"(resolved in {Path(t.run_dir).expanduser() / 'config.yaml'}; --print-config shows it)\n"
             f"layout: world {env.world_size} = {strategy.describe()} | device {env.device}\n"
-            f"model: {trainer.model_cost.num_params:,} parameters | data: {trainer.data_source} | "
+            f"model: {parts.model_cost.num_params:,} parameters | data: {parts.data_source} | "
             f"{data.train.numel():,} train / {data.val.numel():,} val tokens | vocab {tok.vocab_size} ({tok.kind})\n"
             f"run: {trainer.max_steps} steps of {t.batch_size} x {cfg.model.block_size} = "
-            f"{t.batch_size * cfg.model.block_size:,} tokens | {start} | mfu peak {trainer.peak_label}")
+            f"{t.batch_size * cfg.model.block_size:,} tokens | {start} | mfu peak {parts.peak_label}")
 
 
 def train_until_stopped(trainer: Trainer) -> RunSummary:
@@ -174,12 +175,13 @@ def train_until_stopped(trainer: Trainer) -> RunSummary:
     line."""
     if threading.current_thread() is not threading.main_thread():  # Python allows handlers only there
         return trainer.train()
-    previous = {sig: signal.signal(sig, trainer.stop_request) for sig in STOP_SIGNALS}
+    request = trainer.guards.stop_request
+    previous = {sig: signal.signal(sig, request) for sig in STOP_SIGNALS}
     try:
         return trainer.train()
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_IGN if trainer.stop_request.signum else handler)
+            signal.signal(sig, signal.SIG_IGN if request.signum else handler)
 
 
 def stop_exit_code(signum: int, under_torchrun: bool) -> int:

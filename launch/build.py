@@ -1,12 +1,15 @@
-"""From a checked config to a Trainer: corpus, tokenizer, model, strategy, in that order.
+"""From a checked config to the Trainer's parts: strategy, where the weights come from, corpus,
+tokenizer, model, then optimizer, schedule, scaler, snapshots, peak, profiler and guards, in that order.
 
-`build_trainer` is shared by main.py and the parity tests, so both build runs the same way.
+`build_parts` is shared by main.py (launch/app.py) and, through `build_trainer`, the parity tests,
+so both build runs the same way; `assemble` also by the dry run.
 `fallback_corpus` handles the one case where the corpus decides the run folder: the default
 run_dir with a URL corpus that, offline, falls back to the standard library's text.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -18,22 +21,37 @@ from corpus.kinds import token_corpus_kind
 from corpus.text import FALLBACK_RUN_DIR, FALLBACK_SOURCE, load_corpus
 from corpus.token_files import corpus_tokenizer, open_token_corpus
 from corpus.tokenizers import TOKENIZER_FILE, build_tokenizer, load_tokenizer_record
-from model import GPT, GPTConfig, initial_tensor
+from guards.health import FiniteCheck
+from guards.stop import StopRequest
+from guards.stragglers import GpuBlockClock, StragglerWatch
+from guards.watchdog import HangWatchdog
+from launch.schedule import lr_factor, total_steps
+from model import GPT, GPTConfig, ModelCost, initial_tensor
+from observe.perf import Peak, set_fp32_matmul_mode
+from observe.profiling import StepProfiler
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
+from parallel.strategy import Strategy
 from snapshots.pretrained import Source, check_shape, check_tokenizer, initial_weights, open_source
-from snapshots.validate import list_snapshots
-from trainer import Trainer, seed_rng
+from snapshots.store import SnapshotManager
+from trainer import Guards, Trainer, TrainerParts, seed_rng
 
 
 def build_trainer(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str] | None = None) -> Trainer:
-    """Corpus, tokenizer, model (the same initial weights in every layout), strategy and Trainer for `cfg` on this
-    launch. `corpus`: load_corpus's (text, description) when the caller has loaded it already."""
-    strategy = build_strategy(cfg, env)  # layout errors before any work
+    """A Trainer over build_parts' parts (the tests' and benchmarks' entry: a launch is built the same)."""
+    return Trainer(build_parts(cfg, env, run_dir, corpus))
+
+
+def build_parts(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str] | None = None) -> TrainerParts:
+    """Collective. Everything the Trainer runs with for `cfg` on this launch: the strategy (layout
+    errors before any work), where the weights come from (start_from), the corpus and tokenizer,
+    the model (the same initial weights in every layout) placed by the strategy, then the rest
+    (assemble). `corpus`: load_corpus's (text, description) when the caller has loaded it already."""
+    strategy = build_strategy(cfg, env)
+    snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, env.rank, env.distributed,
+                                background=cfg.trainer.async_save)
+    resume_from, source = start_from(cfg, snapshots)
     stored = load_tokenizer_record(run_dir / TOKENIZER_FILE) if cfg.trainer.resume != "never" else None
-    # model.init_from only starts a run: with snapshots to resume from, their weights win.
-    resuming = cfg.trainer.resume != "never" and bool(list_snapshots(run_dir / "snapshots"))
-    source = open_source(cfg.model.init_from) if cfg.model.init_from and not resuming else None
     if source is not None:
         stored = check_tokenizer(source, cfg.data.tokenizer, stored)
     data, tok, data_source = _open_data(cfg, env, stored, corpus, source)
@@ -52,8 +70,66 @@ def build_trainer(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, s
     cost = model.cost()  # the whole model, before the strategy splits it
     strategy.setup(model, initial)
     seed_rng(cfg.trainer.seed, 0, strategy.dp_rank)  # dropout: per dp rank, shared by tp peers
-    return Trainer(cfg, data, tok, strategy, run_dir, dataclasses.asdict(gpt_cfg), cost, data_source=data_source,
-                   init_from=_path_of(source))
+    return assemble(cfg, data, tok, strategy, run_dir, dataclasses.asdict(gpt_cfg), cost, snapshots,
+                    resume_from=resume_from, data_source=data_source, init_from=_path_of(source))
+
+
+def start_from(cfg: Config, snapshots: SnapshotManager) -> tuple[tuple[Path, dict] | None, Source | None]:
+    """Collective. Where this launch's weights come from, decided here only: the newest valid
+    snapshot (trainer.resume auto or require), else model.init_from's file, else the seed. A
+    snapshot wins over init_from (init_from only starts a run); a folder whose snapshots are all
+    damaged is refused rather than trained from init_from or at random."""
+    mode = cfg.trainer.resume
+    found = None
+    if mode == "never":
+        if snapshots.has_any():
+            raise UsageError(f"{snapshots.snap_dir} already holds snapshots and trainer.resume="
+                             f"never; pick another trainer.run_dir or set trainer.resume=auto")
+    else:
+        found = snapshots.find_latest()
+        if found is None and mode == "require":
+            raise UsageError(f"trainer.resume=require but {snapshots.snap_dir} holds no valid "
+                             f"snapshot; set trainer.resume=auto to start fresh")
+        if found is None and cfg.model.init_from and snapshots.has_any():
+            raise UsageError(f"{snapshots.snap_dir} holds no valid snapshot to resume; move that folder "
+                             f"aside to start over from model.init_from")
+    source = open_source(cfg.model.init_from) if cfg.model.init_from and found is None else None
+    return found, source
+
+
+def assemble(cfg: Config, data: TokenDataset, tok, strategy: Strategy, run_dir: Path, model_config: dict,
+             cost: ModelCost, snapshots: SnapshotManager, **extra) -> TrainerParts:
+    """Collective (the tracker rank shares its peak's label). The Trainer's parts around a placed
+    model: optimizer, LR schedule, grad scaler, the MFU peak, the profiler and the guards. Also the
+    dry run's (tools/fake_world.py), on fake tensors. `extra`: TrainerParts' optional fields."""
+    env = strategy.env
+    max_steps = total_steps(cfg, data)
+    data.check_batch(cfg.trainer.batch_size)
+    set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
+    peak = Peak(strategy.device, strategy.compute_precision, cfg.trainer.peak_flops, strategy.is_tracker)
+    gpu_clock = GpuBlockClock([b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]) \
+        if strategy.device.type == "cuda" else None  # a GPU's own time: guards/stragglers.py
+    guards = Guards(
+        stop_request=StopRequest(),
+        watchdog=HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,
+                              env.distributed, run_dir),
+        finite=FiniteCheck(strategy),
+        stragglers=StragglerWatch(env.rank, env.world_size, env.local_rank, env.distributed, strategy.is_tracker,
+                                  gpu_clock))
+    return TrainerParts(
+        cfg=cfg, data=data, tokenizer=tok, strategy=strategy, run_dir=run_dir, model_config=model_config,
+        model_cost=cost, max_steps=max_steps, optimizer=strategy.build_optimizer(),
+        lr_factor=functools.partial(lr_factor, cfg=cfg, max_steps=max_steps), scaler=strategy.make_grad_scaler(),
+        snapshots=snapshots, peak=peak, peak_label=_shared_peak_label(peak, strategy),
+        profiler=StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device), guards=guards, **extra)
+
+
+def _shared_peak_label(peak: Peak, strategy: Strategy) -> str:
+    """The peak is looked up on the tracker rank only (it may measure); every rank learns its label."""
+    shared = [peak.label]
+    if strategy.env.distributed:
+        dist.broadcast_object_list(shared, src=strategy.tracker_rank)
+    return shared[0]
 
 
 def _path_of(source: Source | None) -> Path | None:

@@ -24,6 +24,11 @@ def lr_at(step: int, cfg: Config, max_steps: int) -> float:
     return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)
 
 
+def lr_factor(step: int, cfg: Config, max_steps: int) -> float:
+    """lr_at as a multiple of optimizer.lr: what torch's LambdaLR multiplies each group's LR by."""
+    return lr_at(step, cfg, max_steps) / cfg.optimizer.lr
+
+
 def total_steps(cfg: Config, data: TokenDataset) -> int:
     """trainer.max_epochs (when > 0) converted to optimizer steps, else trainer.max_steps."""
     t = cfg.trainer

@@ -89,7 +89,7 @@ def test_bf16_mfu_on_cpu_divides_by_a_bf16_peak(tmp_path, peak_cache):
     for prec in ("fp32", "bf16"):
         trainer = tiny_trainer(tmp_path / prec, f"trainer.precision={prec}", "trainer.device=cpu")  # a CPU peak: in a cuda session too
         peaks[prec] = trainer.peak.value
-        assert prec in trainer.peak_label and "measured" in trainer.peak_label, trainer.peak_label
+        assert prec in trainer.parts.peak_label and "measured" in trainer.parts.peak_label, trainer.parts.peak_label
     # each is cached under its own fingerprint (CPU model, threads, torch version, dtype)
     cached = json.loads(peak_cache.read_text())
     assert cached == {perf.machine_fingerprint(p): peaks[p] for p in peaks}
@@ -101,7 +101,7 @@ def test_a_stale_cached_cpu_peak_is_measured_again_and_mfu_never_exceeds_1(tmp_p
     peak_cache.parent.mkdir()
     peak_cache.write_text(json.dumps({key: 1e3, "another machine": 5e9}))  # far below any real CPU
     trainer = tiny_trainer(tmp_path, "trainer.max_steps=4", "trainer.log_every=2", "trainer.device=cpu")
-    assert "cached" in trainer.peak_label and "1e-06 GFLOP/s" in trainer.peak_label, trainer.peak_label
+    assert "cached" in trainer.parts.peak_label and "1e-06 GFLOP/s" in trainer.parts.peak_label, trainer.parts.peak_label
     trainer.tracker = Rows()
     trainer.train()
     mfus = [r["mfu"] for r in trainer.tracker.rows if "mfu" in r]
@@ -138,9 +138,9 @@ def test_a_damaged_peak_cache_is_measured_again_and_rewritten(tmp_path, peak_cac
     peak_cache.parent.mkdir()
     peak_cache.write_bytes(b"\x00\xff{not json")
     t0 = time.perf_counter()
-    measured = tiny_trainer(tmp_path / "a", "trainer.device=cpu").peak_label
+    measured = tiny_trainer(tmp_path / "a", "trainer.device=cpu").parts.peak_label
     t1 = time.perf_counter()
-    cached = tiny_trainer(tmp_path / "b", "trainer.device=cpu").peak_label
+    cached = tiny_trainer(tmp_path / "b", "trainer.device=cpu").parts.peak_label
     t2 = time.perf_counter()
     assert "measured" in measured and "cached" in cached and measured.split("(")[0] == cached.split("(")[0]
     assert list(json.loads(peak_cache.read_text())) == [perf.machine_fingerprint("fp32")]

@@ -38,11 +38,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from char_dataset import Batching
 from config import Config
+from launch.build import assemble
 from model import GPT, GPTConfig
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
 from parallel.strategy import Strategy
 from snapshots.state_split import split_state
+from snapshots.store import SnapshotManager
 from tools.measure import Call, CollectiveCounter, SavedBytes
 from trainer import Trainer
 
@@ -128,7 +130,10 @@ def build_rank(cfg: Config, strategy: Strategy, vocab: int, run_dir: Path) -> Tr
     strategy.setup(model)
     for module in _ddp_modules(strategy):
         module.register_comm_hook(module.process_group, _all_reduce_bucket)
-    return Trainer(cfg, FakeData(cfg.model.block_size), None, strategy, run_dir, dataclasses.asdict(gpt_cfg), cost)
+    env = strategy.env
+    snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, env.rank, env.distributed)
+    return Trainer(assemble(cfg, FakeData(cfg.model.block_size), None, strategy, run_dir, dataclasses.asdict(gpt_cfg),
+                            cost, snapshots))
 
 
 def _ddp_modules(strategy: Strategy) -> list[DistributedDataParallel]:
