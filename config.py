@@ -1,10 +1,11 @@
 """Typed configuration: the YAML file, dotted command-line overrides, and validation.
 
-Owns the dataclasses that every other module reads (`Config` and its sections), the loader that
-turns `gpt2_train_cfg.yaml` + `key.sub=value` overrides into them, and `UsageError`, the one
-exception type for bad user input (config, data, snapshot, CLI): one line on stderr, exit code 2
-(launch/errors.py). The rules of some sections live beside what they configure and are read here:
-parallel/options.py, corpus/kinds.py, observe/wandb_limits.py.
+Owns the dataclasses that every other module reads (`Config` and its sections), the reader that
+turns `gpt2_train_cfg.yaml` + `key.sub=value` overrides into them (types checked), the choices of
+the keys that name things, `UsageError`, the one exception type for bad user input (config, data,
+snapshot, CLI): one line on stderr, exit code 2 (launch/errors.py), and the redaction of
+credentials in URLs. It imports nothing of the project, so every module can import it; the rules
+that hold a config against the rest live in checks.py (`checks.load_config` reads and checks).
 """
 from __future__ import annotations
 
@@ -13,22 +14,25 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
-from corpus.kinds import data_problems
-from observe.redact import redact_strings
-from observe.wandb_limits import wandb_problems
-from parallel.options import PP_SCHEDULES, STRATEGY_NAMES
-from parallel.options import problems as parallel_problems
-
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "gpt2_train_cfg.yaml"
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+# the values of parallel.strategy (parallel/options.py maps them onto engines); auto: the planner
+# picks the fastest layout that fits at launch
+STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp", "auto")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class UsageError(Exception):
@@ -174,7 +178,7 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 
-def _suggest(name: str, choices) -> str:
+def suggest(name: str, choices) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
@@ -222,27 +226,27 @@ def _set(cfg: Config, dotted: str, value, text: str | None = None) -> None:
     if len(parts) != 2:
         if len(parts) == 1 and parts[0] in sections:
             raise UsageError(f"config section '{dotted}' needs a key, e.g. {dotted}.<key>=<value>")
-        raise UsageError(f"config key '{dotted}' must look like section.key{_suggest(dotted, sections)}")
+        raise UsageError(f"config key '{dotted}' must look like section.key{suggest(dotted, sections)}")
     sec_name, key = parts
     if sec_name not in sections:
-        raise UsageError(f"unknown config section '{sec_name}'{_suggest(sec_name, sections)}; "
+        raise UsageError(f"unknown config section '{sec_name}'{suggest(sec_name, sections)}; "
                          f"sections are: {', '.join(sections)}")
     section = getattr(cfg, sec_name)
     hints = typing.get_type_hints(type(section))
     if key not in hints:
         full = [f"{sec_name}.{k}" for k in hints]
-        raise UsageError(f"unknown config key '{dotted}'{_suggest(dotted, full)}")
+        raise UsageError(f"unknown config key '{dotted}'{suggest(dotted, full)}")
     if hints[key] is str and text is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = text
     setattr(section, key, _coerce(dotted, value, hints[key]))
 
 
-def load_config(path: str | None, overrides: list[str] = (), world_size: int | None = None,
+def read_config(path: str | None, overrides: list[str] = (),
                 adopt: Callable[[Config, set[str]], None] | None = None) -> Config:
     """Defaults <- YAML file <- `section.key=value` overrides, then `adopt(cfg, keys the user set)`
     (values taken from elsewhere, e.g. model.init_from's shape, where the user set none: on the
-    command line or in a --config file other than the default one), then validate() (`world_size`:
-    the launch's, when known, so its blockers are reported with the config's)."""
+    command line or in a --config file other than the default one). Types are checked here, the
+    rules by checks.py: load a config with checks.load_config, which does both."""
     cfg, explicit = Config(), set()
     if path is not None:
         p = Path(path)
@@ -279,21 +283,7 @@ def load_config(path: str | None, overrides: list[str] = (), world_size: int | N
         explicit.add(key.strip())
     if adopt is not None:
         adopt(cfg, explicit)
-    validate(cfg, world_size)
     return cfg
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _choice(key: str, value: str, choices) -> None:
-    if value not in choices:
-        raise UsageError(f"{key}='{value}' is not one of {', '.join(choices)}{_suggest(value, choices)}")
-
-
-def _positive(key: str, value, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise UsageError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 def profile_window(spec: str) -> tuple[int, int] | None:
@@ -305,95 +295,53 @@ def profile_window(spec: str) -> tuple[int, int] | None:
     return (int(parts[0]), int(parts[1])) if spec else None
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+# ----------------------------------------------------------------------------- credentials
+# Credentials never leave the process: every URL the project writes or prints is redacted here
+# (Config.to_dict, corpus/text.py's source line, the tracker, the launch's messages).
+
+REDACTED = "***"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+# Query parameters that carry credentials: tokens, API keys, signed-URL signatures (S3's
+# X-Amz-Signature / X-Amz-Credential, Azure SAS `sig`), passwords, session ids.
+_SECRET_PARAM = re.compile(r"token|key|sig|pass|pwd|secret|auth|credential|session", re.IGNORECASE)
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Checks that need only the config (and the world size, when given), section by section. The
-    first problem is raised, except for the parallel keys, whose blockers are all named in one
-    message, the world size first: fixing one must not reveal the next (the batch split and
-    the pipeline: parallel/layout.py, Layout.of)."""
-    _validate_data(cfg.data)
-    _validate_model(cfg.model)
-    _validate_trainer(cfg.trainer)
-    _validate_optimizer(cfg.optimizer)
-    _validate_parallel(cfg.parallel)
-    blockers = list(parallel_problems(cfg, world_size))
-    if blockers:
-        raise UsageError(blockers[0] if len(blockers) == 1 else
-                         f"{len(blockers)} problems: " + "; ".join(f"({i}) {b}" for i, b in enumerate(blockers, 1)))
-    for problem in wandb_problems(cfg.wandb):
-        raise UsageError(problem)
+def _redact_one(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, host = netloc.rsplit("@", 1)
+        # user:password -> user:***; a lone user part may itself be a token (https://TOKEN@host)
+        netloc = f"{user.split(':', 1)[0]}:{REDACTED}@{host}" if ":" in user else f"{REDACTED}@{host}"
+    query = "&".join(
+        f"{k}={REDACTED}" if _SECRET_PARAM.search(k) and v else (f"{k}={v}" if sep else k)
+        for k, sep, v in (item.partition("=") for item in parts.query.split("&"))) if parts.query else ""
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def _validate_data(d: DataConfig) -> None:
-    _choice("data.tokenizer", d.tokenizer, ("char", "gpt2"))
-    _positive("data.truncate", d.truncate, allow_zero=True)
-    if not 0.0 < d.val_fraction < 1.0:
-        raise UsageError(f"data.val_fraction must be between 0 and 1, got {d.val_fraction}")
-    for problem in data_problems(d):
-        raise UsageError(problem)
+def redact_url(text: str) -> str:
+    """`text` with the credentials of every URL in it replaced by ***: the password of
+    user:password@ (or a lone user part, often a token), and the values of query parameters whose
+    names speak of a token, key, signature, password, secret, auth, credential or session.
+    Everything the project writes or prints about the config or the corpus source goes through
+    this one function (Config.to_dict, corpus/text.py's source line, warnings and errors); the real
+    URL stays in the live config, and only the download uses it."""
+    return _URL.sub(lambda m: _redact_one(m.group(0)), text)
 
 
-def _validate_model(m: ModelConfig) -> None:
-    for k in ("n_layer", "n_head", "n_embd", "block_size"):
-        _positive(f"model.{k}", getattr(m, k))
-    if m.n_embd % m.n_head:
-        raise UsageError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
-                         f"pick n_embd a multiple of n_head")
-    if not 0.0 <= m.dropout < 1.0:
-        raise UsageError(f"model.dropout must be in [0, 1), got {m.dropout}")
-    _choice("model.gelu", m.gelu, ("erf", "tanh"))
-    _choice("model.activation", m.activation, ("gelu", "relu2"))
-    if m.init_from and not Path(m.init_from).expanduser().exists():
-        raise UsageError(f"model.init_from '{m.init_from}' does not exist; give a Hugging Face GPT-2 "
-                         f"folder (config.json + model.safetensors) or a run's model.pt")
+def has_redacted_credentials(url: str) -> bool:
+    """A URL whose credentials are the *** of a redacted copy (e.g. a run's config.yaml)."""
+    probe = url.replace(REDACTED, "x")
+    return REDACTED in url and redact_url(url) == url and redact_url(probe) != probe
 
 
-def _validate_trainer(t: TrainerConfig) -> None:
-    _positive("trainer.max_steps", t.max_steps)
-    _positive("trainer.max_epochs", t.max_epochs, allow_zero=True)
-    _positive("trainer.batch_size", t.batch_size)
-    _positive("trainer.micro_batch_size", t.micro_batch_size, allow_zero=True)
-    for k in ("eval_batches", "log_every", "keep_snapshots"):
-        _positive(f"trainer.{k}", getattr(t, k))
-    for k in ("eval_every", "save_every", "sample_tokens", "grad_clip", "peak_flops", "hang_timeout_s"):
-        _positive(f"trainer.{k}", getattr(t, k), allow_zero=True)
-    _choice("trainer.resume", t.resume, ("auto", "never", "require"))
-    _choice("trainer.precision", t.precision, PRECISIONS)
-    _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
-    profile_window(t.profile)
-    if not t.run_dir:
-        raise UsageError("trainer.run_dir is empty; name a folder for this run's outputs")
-
-
-def _validate_optimizer(o: OptimizerConfig) -> None:
-    _choice("optimizer.name", o.name, ("adamw", "muon"))
-    _positive("optimizer.lr", o.lr)
-    _positive("optimizer.min_lr", o.min_lr, allow_zero=True)
-    if o.min_lr > o.lr:
-        raise UsageError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}; lower min_lr")
-    _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
-    _positive("optimizer.lr_decay_steps", o.lr_decay_steps, allow_zero=True)
-    _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
-    for k in ("beta1", "beta2"):
-        if not 0.0 <= getattr(o, k) < 1.0:
-            raise UsageError(f"optimizer.{k} must be in [0, 1), got {getattr(o, k)}")
-
-
-def _validate_parallel(p: ParallelConfig) -> None:
-    _choice("parallel.strategy", p.strategy, STRATEGY_NAMES)
-    _positive("parallel.tp", p.tp)
-    _positive("parallel.pp", p.pp)
-    _positive("parallel.dp_replicate", p.dp_replicate)
-    _positive("parallel.bucket_cap_mb", p.bucket_cap_mb)
-    if p.zero_stage not in (1, 2, 3):
-        raise UsageError(f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
-    _choice("parallel.mixed_precision", p.mixed_precision, ("none", "bf16", "fp16"))
-    _choice("parallel.reduce_dtype", p.reduce_dtype, PRECISIONS)
-    _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
-    _positive("parallel.microbatches", p.microbatches, allow_zero=True)
-    _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank)
+def redact_strings(value):
+    """`value` (nested dicts and lists, e.g. Config.to_dict) with every string's URLs redacted."""
+    if isinstance(value, dict):
+        return {k: redact_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_strings(v) for v in value]
+    return redact_url(value) if isinstance(value, str) else value
 
 
 def dump_yaml(cfg: Config) -> str:

@@ -46,7 +46,8 @@ if __name__ == "__main__":  # torch loads for seconds: a Ctrl-C meanwhile is one
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from config import DEFAULT_CONFIG, UsageError, load_config
+from checks import load_config
+from config import DEFAULT_CONFIG, UsageError
 from launch.app import run
 from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
 from planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render

@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 from _repo import REPO
 
-from config import UsageError, load_config
+from checks import load_config
+from config import UsageError
 from launch.build import build_trainer
 from launch.errors import reject_dashed_overrides
 from observe.perf import measure_cpu_matmul_peak

@@ -36,7 +36,8 @@ def worker(overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from config import DEFAULT_CONFIG, load_config
+    from checks import load_config
+    from config import DEFAULT_CONFIG
     from launch.build import build_trainer
     from parallel.env import init_distributed
 

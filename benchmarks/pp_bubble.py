@@ -56,7 +56,7 @@ def measure(overrides: list[str], steps: int, warmup: int, run_dir: Path) -> dic
     import torch
     import torch.distributed as dist
 
-    from config import load_config
+    from checks import load_config
     from launch.build import build_trainer
     from parallel.env import init_distributed
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import _repo  # noqa: F401  (the repository on sys.path)
 
 import planner
-from config import load_config
+from checks import load_config
 
 SOURCE = "https://github.com/mosaicml/llm-foundry/tree/main/scripts/train/benchmarking"
 MPT = {  # name -> (layers, width, heads) of llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml

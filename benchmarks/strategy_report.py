@@ -43,7 +43,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import planner
-from config import UsageError, load_config
+from checks import load_config
+from config import UsageError
 from launch.errors import reject_dashed_overrides
 from planner.hardware import Hardware
 from testing.local import CORPUS, torchrun_until

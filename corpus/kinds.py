@@ -4,12 +4,9 @@ config.py's validation reads it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-from observe.redact import REDACTED, has_redacted_credentials
-
-if TYPE_CHECKING:  # type names only: config.py imports this module
-    from config import DataConfig
+from config import REDACTED, DataConfig, has_redacted_credentials
 
 SIDECAR = "corpus.json"  # the record prepare.py writes into a token corpus folder (corpus/token_files.py)
 

@@ -1,7 +1,7 @@
 """Where a text corpus comes from: a local file, or an http(s) URL downloaded once into a cache
 with a sha256 check, with a clearly announced offline fallback (the standard library's own text).
 
-Every message names a URL with its credentials redacted (observe/redact.py).
+Every message names a URL with its credentials redacted (config.py, redact_url).
 """
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import urllib.request
 import warnings
 from pathlib import Path
 
-from config import DataConfig, UsageError
-from observe.redact import redact_url
+from config import DataConfig, UsageError, redact_url
 from storage.files import atomic_write, sha256_file
 
 FALLBACK_CHARS = 2_000_000  # size of the offline fallback corpus
@@ -97,7 +96,7 @@ def load_corpus(cfg: DataConfig, is_local_leader: bool = True, barrier=lambda: N
                 fallback_run_dir: str = "") -> tuple[str, str]:
     """Returns (text, description). For a URL, the local leader downloads while the others wait
     at `barrier`, then everyone reads the cached file. The description and every message name
-    the URL with its credentials redacted (observe/redact.py). `fallback_run_dir`: the run folder
+    the URL with its credentials redacted (config.py, redact_url). `fallback_run_dir`: the run folder
     a fallback run goes to, named in the warning."""
     shown = redact_url(cfg.path)
     if not cfg.path.startswith(("http://", "https://")):

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from config import Config, UsageError, dump_yaml, load_config
+from checks import load_config
+from config import Config, UsageError, dump_yaml, redact_url
 from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
 from launch.build import build_parts, fallback_corpus
 from launch.runlock import lock_run_dir
@@ -27,7 +28,6 @@ from launch.schedule import schedule_change, schedule_notes
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
 from model import GPT, GPTConfig
 from observe.perf import cpu_devices
-from observe.redact import redact_url
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
 from planner.auto import choose_layout

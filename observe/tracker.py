@@ -20,7 +20,7 @@ and is still the same run; a manual launch without a snapshot is a new run.
 wandb failures (no network, bad key, service down) never stop training: one warning line, then
 wandb is off for the rest of the launch while metrics.jsonl goes on. The API key is never printed
 or written: wandb reads it from the environment itself, and warning texts are redacted. Credentials
-in a data.path URL are redacted (observe/redact.py) in the config and in the command line that
+in a data.path URL are redacted (config.py, redact_url) in the config and in the command line that
 wandb records.
 """
 from __future__ import annotations
@@ -38,8 +38,7 @@ from typing import Callable, TextIO
 
 from tqdm import tqdm
 
-from config import Config
-from observe.redact import redact_url
+from config import Config, redact_url
 from parallel.env import restart_count
 from storage.files import append_whole, atomic_write_text
 

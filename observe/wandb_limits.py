@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:  # type names only: config.py imports this module
-    from config import WandbConfig
+from config import WandbConfig
 
 MODES = ("online", "offline", "disabled")
 

@@ -5,22 +5,19 @@ selects, and every rule on the parallel keys that needs only the config.
 `parallel.zero_stage` map onto it (`Engine.of`), the strategy registry (parallel/registry.py) is
 keyed by it, and the planner enumerates it. The rules (options that belong to another strategy,
 a pipeline split that adds up, heads and sequence divisible by tp) are yielded as one-line
-problems; `config.validate` raises the first as a UsageError. Checks that need the world size
+problems; checks.validate raises them as one UsageError. Checks that need the world size
 live in parallel/layout.py (`Layout.of`).
 
-This module imports nothing of the project at run time, so config.py can use it.
+It imports only config.py (its choices: STRATEGY_NAMES, PP_SCHEDULES), never torch.
 """
 from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:  # type names only: config.py imports this module
-    from config import Config, ModelConfig, ParallelConfig, TrainerConfig
+from config import Config, ModelConfig, ParallelConfig, TrainerConfig
 
-# the values of parallel.strategy; auto: the planner picks the fastest layout that fits at launch
-STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp", "auto")
 AUTO_CHOOSES = ("tp", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank", "activation_checkpointing",
                 "tp_vocab_parallel")
 # Memory sizes as people write them: a unit without "i" is decimal (SI: GB = G = 10^9 bytes, as
@@ -39,7 +36,6 @@ def memory_size(text: str) -> int | None:
     if unit not in MEMORY_UNITS or float(m.group(1)) <= 0:
         return None
     return int(float(m.group(1)) * MEMORY_UNITS[unit])
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 class Engine(str, Enum):

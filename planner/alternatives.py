@@ -1,5 +1,5 @@
 """Every layout of a world size: `plan(cfg, world_size, device_memory)` plans the configured
-layout first, then each alternative that the launch's own checks accept (config.validate,
+layout first, then each alternative that the launch's own checks accept (checks.validate,
 parallel.layout.Layout.of, via `check_layout`), fitting layouts first, fastest first (by peak
 without a hardware description); two choices that give the same layout (zero-3 and fsdp with its
 defaults) are one row naming both.
@@ -16,7 +16,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-from config import Config, ParallelConfig, UsageError, validate
+from checks import validate
+from config import Config, ParallelConfig, UsageError
 from model import GPTConfig
 from parallel.layout import Layout
 from parallel.options import PP_ONLY, STRATEGY_ONLY, TP_ONLY, ZERO_STAGE_ONLY, Engine
@@ -61,7 +62,7 @@ def divisors(n: int) -> list[int]:
 
 def check_layout(cfg: Config, world: int) -> PlannedLayout:
     """The layout of cfg on `world` ranks after the checks a launch runs before any process group
-    (config.validate, parallel.layout.Layout.of); UsageError if refused."""
+    (checks.validate, parallel.layout.Layout.of); UsageError if refused."""
     validate(cfg)
     lay = Layout.of(cfg, world)
     p = cfg.parallel

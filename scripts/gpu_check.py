@@ -142,7 +142,7 @@ def probe_flight_recorder() -> None:
     import torch
     import torch.distributed as dist
 
-    from config import load_config
+    from checks import load_config
     from guards.watchdog import flight_records
     from parallel.env import init_distributed
     env = init_distributed(load_config(None, ["trainer.device=cuda", "trainer.hang_timeout_s=30"]))

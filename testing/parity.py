@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import load_config
+from checks import load_config
 from launch.build import build_trainer
 from parallel.env import init_distributed
 from testing.local import TINY

@@ -19,7 +19,7 @@ import yaml
 import export
 import main as app
 import sample
-from config import load_config
+from checks import load_config
 from launch.schedule import lr_at, total_steps
 from parallel.env import init_distributed
 from testing.local import CORPUS, TINY, python

@@ -18,8 +18,8 @@ import torch
 import yaml
 
 import main as app
-from config import Config, load_config
-from observe.redact import redact_url
+from checks import load_config
+from config import Config, redact_url
 from testing.local import REPO, TINY, python
 
 YAML_PATH = REPO / "gpt2_train_cfg.yaml"

@@ -15,7 +15,8 @@ import torch.nn as nn
 
 import harness
 import parallel.env
-from config import UsageError, load_config
+from checks import load_config
+from config import UsageError
 from model import GPT, GPTConfig
 from observe import perf
 from parallel.dp import DataParallelStrategy

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import main as app
-from config import UsageError, load_config
+from checks import load_config
+from config import UsageError
 from parallel.layout import Layout
 from parallel.strategy import Strategy
 from testing.local import TINY, python, torchrun

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import planner.engines
-from config import load_config
+from checks import load_config
 from main import main
 from planner.activations import activation_model
 from planner.alternatives import check_layout

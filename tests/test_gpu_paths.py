@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import guards.watchdog as watchdog
 import parallel.env
-from config import load_config
+from checks import load_config
 from guards.health import _NEVER, FiniteCheck
 from observe.step_metrics import CudaPeaks
 from parallel.env import DistEnv, deterministic_mode

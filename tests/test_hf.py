@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import export
 import main as app
 from char_dataset import Batching, CharDataset
-from config import load_config
+from checks import load_config
 from corpus.text import load_corpus
 from corpus.tokenizers import tokenizer_from_dict
 from launch.build import build_trainer

@@ -25,7 +25,7 @@ import time
 import pytest
 import torch
 
-from config import load_config
+from checks import load_config
 from launch.build import build_trainer
 from observe import perf
 from observe.tracker import NullTracker

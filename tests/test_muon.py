@@ -19,7 +19,8 @@ import torch
 import torch.optim._muon as torch_muon
 
 import main as app
-from config import UsageError, load_config
+from checks import load_config
+from config import UsageError
 from harness import app_in_process, model_tensors
 from parallel.muon import MUON_MODULES, Muon, MuonWithAdamW, orthogonalize
 from parallel.options import problems

@@ -23,7 +23,7 @@ import torch
 
 import main as app
 import planner
-from config import load_config
+from checks import load_config
 from model import GPT, lm_loss
 from planner.schedule import bubble_fraction, rank_actions, simulated_bubble
 from testing.local import TINY, torchrun

@@ -17,7 +17,7 @@ import pytest
 
 import main as app
 import planner
-from config import load_config
+from checks import load_config
 from planner.auto import resolved_config
 from planner.hardware import Link, load_hardware
 from planner.timing import group_link

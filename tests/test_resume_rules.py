@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import load_config
+from checks import load_config
 from harness import app_in_process
 from launch.build import build_trainer
 from launch.schedule import lr_at

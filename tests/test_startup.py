@@ -8,7 +8,8 @@ import re
 import pytest
 
 import main as app
-from config import dump_yaml, load_config
+from checks import load_config
+from config import dump_yaml
 from harness import SHOWN_DEVICE
 from parallel.env import DistEnv
 from parallel.registry import build_strategy

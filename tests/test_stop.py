@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import main as app
-from config import load_config
+from checks import load_config
 from conftest import LONG_DDP_REFERENCE
 from harness import StreamedLaunch, metric_steps, model_tensors
 from launch.build import build_trainer

@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import main as app
-from config import UsageError, load_config
+from checks import load_config
+from config import UsageError
 from harness import metric_rows
 from model import GPT, GPTConfig, lm_loss
 from parallel.dtensor import settle_partial_grads

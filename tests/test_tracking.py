@@ -267,7 +267,7 @@ def test_two_process_run_has_one_finished_wandb_run_and_no_secret(tmp_path, corp
 
 
 def test_wandb_failure_mid_run_warns_once_and_metrics_go_on(tmp_path, monkeypatch):
-    from config import load_config
+    from checks import load_config
     from observe.tracker import RunTracker
 
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
@@ -294,7 +294,7 @@ def test_wandb_failure_mid_run_warns_once_and_metrics_go_on(tmp_path, monkeypatc
 
 
 def test_tracker_state_fresh_start_resume_and_elastic_restart(tmp_path, monkeypatch):
-    from config import load_config
+    from checks import load_config
     from observe.tracker import RunTracker
 
     cfg = load_config(None, ["wandb.mode=disabled"])
@@ -339,7 +339,8 @@ def test_tracker_state_fresh_start_resume_and_elastic_restart(tmp_path, monkeypa
     ("wandb.name=[1, 2]", "wandb.name"),
 ])
 def test_bad_wandb_config_is_a_usage_error(override, words, monkeypatch):
-    from config import UsageError, load_config
+    from checks import load_config
+    from config import UsageError
 
     monkeypatch.chdir(REPO)
     with pytest.raises(UsageError, match=words.replace("(", r"\(")) as e:
@@ -348,7 +349,7 @@ def test_bad_wandb_config_is_a_usage_error(override, words, monkeypatch):
 
 
 def test_good_wandb_config_and_mode_resolution(monkeypatch):
-    from config import load_config
+    from checks import load_config
     from observe.tracker import wandb_mode
 
     cfg = load_config(None, ["wandb.tags=a,b", "wandb.name=my run", "wandb.project=", "wandb.enabled=false"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from config import load_config
+from checks import load_config
 from harness import app_in_process
 from launch.schedule import lr_at
 from testing.local import TINY
