@@ -27,9 +27,8 @@ from launch.sampling import SAMPLE_FILE, write_sample
 from launch.schedule import schedule_change, schedule_notes
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
 from model import GPT, GPTConfig
-from observe.perf import cpu_devices
 from observe.step_metrics import RunSummary
-from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
+from parallel.env import DistEnv, cpu_devices, init_distributed, local_world_size, shutdown
 from planner.auto import choose_layout
 from snapshots.model_file import MODEL_FILE
 from snapshots.pretrained import adopt_model_shape

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from parallel.env import DTYPES
 from storage.files import atomic_write_text
 
 # Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets: (bf16/fp16 tensor cores, fp32
@@ -49,7 +50,6 @@ _GPU_PEAKS: list[tuple[str, float, float]] = [
 ]
 # NVIDIA's switch that keeps cuBLAS and cuDNN from using TF32 (set_fp32_matmul_mode honours it too).
 TF32_OVERRIDE_ENV = "NVIDIA_TF32_OVERRIDE"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision names -> dtypes
 
 _cpu_peak_cache: dict[tuple[int, torch.dtype], float] = {}
 
@@ -206,21 +206,6 @@ def device_peak(device: torch.device, precision: str, override: float = 0.0) -> 
     peak, cached = cpu_peak(precision)
     how = f"cached in {peak_cache_path()}" if cached else f"measured, cached in {peak_cache_path()}"
     return peak, f"CPU {precision} matmul {peak / 1e9:.3g} GFLOP/s ({how})"
-
-
-def cpu_devices(world_size: int, local_world_size: int) -> tuple[float, str | None]:
-    """How many measured CPU peaks a CPU launch really has: the peak is one process's, on the
-    threads it uses (torch.get_num_threads), so a node whose processes ask for more threads than it
-    has cores gives only cores / threads of them. Returns (devices over all nodes, a warning line
-    when the node is oversubscribed, else None)."""
-    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
-    per_node = min(float(local_world_size), cores / threads)
-    note = None
-    if local_world_size * threads > cores:
-        note = (f"{local_world_size} processes x {threads} thread(s) share {cores} cores: the node is "
-                f"oversubscribed, so MFU divides by the {per_node:g} process peaks its cores give, not "
-                f"{local_world_size}; launch at most {max(1, cores // threads)} processes per node for speed")
-    return per_node * world_size / local_world_size, note
 
 
 def mfu(flops_per_token: float, tokens_per_sec: float, peak: float, n_devices: float) -> float:

@@ -26,6 +26,9 @@ _PG_TIMEOUT = datetime.timedelta(seconds=DEFAULT_PG_TIMEOUT_S)
 GPU_GROUP_BACKEND = "cpu:gloo,cuda:nccl"  # every process group of a GPU run: NCCL for CUDA tensors, gloo for CPU ones
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision names -> dtypes
+
+
 def restart_count() -> int:
     """How many times torchrun's agent has restarted this worker group (TORCHELASTIC_RESTART_COUNT;
     0 on a first launch and outside torchrun)."""
@@ -52,6 +55,21 @@ class DistEnv:
 def local_world_size(world_size: int) -> int:
     """Processes on this node (torchrun's LOCAL_WORLD_SIZE; a single process: the world)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def cpu_devices(world_size: int, local_world_size: int) -> tuple[float, str | None]:
+    """How many measured CPU peaks a CPU launch really has: the peak is one process's, on the
+    threads it uses (torch.get_num_threads), so a node whose processes ask for more threads than it
+    has cores gives only cores / threads of them. Returns (devices over all nodes, a warning line
+    when the node is oversubscribed, else None)."""
+    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    per_node = min(float(local_world_size), cores / threads)
+    note = None
+    if local_world_size * threads > cores:
+        note = (f"{local_world_size} processes x {threads} thread(s) share {cores} cores: the node is "
+                f"oversubscribed, so MFU divides by the {per_node:g} process peaks its cores give, not "
+                f"{local_world_size}; launch at most {max(1, cores // threads)} processes per node for speed")
+    return per_node * world_size / local_world_size, note
 
 
 def launched_by_torchrun() -> bool:

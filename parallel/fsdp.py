@@ -37,8 +37,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from observe.perf import DTYPES
 from parallel.collectives import RingReduceScatter
+from parallel.env import DTYPES
 from parallel.strategy import Strategy
 
 

@@ -65,9 +65,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import Config
 from model import GPT, lm_loss
-from observe.perf import DTYPES
 from parallel.dtensor import grad_like_param, local_tensor
-from parallel.env import new_group
+from parallel.env import DTYPES, new_group
 from parallel.layout import Layout
 from parallel.step import StepRunner, autocast, loss_context
 

@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import Config
 from model import lm_loss
-from observe.perf import DTYPES
 from parallel.dtensor import local_tensor
+from parallel.env import DTYPES
 from parallel.zero_shard import ZeroDataParallel
 
 ScaleLoss = Callable[[torch.Tensor], torch.Tensor]

@@ -31,9 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from config import Config
 from model import GPT
-from observe.perf import cpu_devices
 from parallel.dtensor import full_tensor, local_tensor, same_layout_groups, settle_partial_grads, storage_id
-from parallel.env import DistEnv, local_world_size
+from parallel.env import DistEnv, cpu_devices, local_world_size
 from parallel.layout import Layout, describe
 from parallel.materialize import InitialValue
 from parallel.muon import MuonWithAdamW, muon_parameter_ids
@@ -113,7 +112,7 @@ class Strategy:
     @property
     def num_devices(self) -> float:
         """Devices this layout computes on, all processes together (MFU divides by their peak): one
-        per process; on CPU the process peaks the cores really give (observe/perf.py cpu_devices)."""
+        per process; on CPU the process peaks the cores really give (parallel/env.py cpu_devices)."""
         if self.device.type == "cpu":
             return cpu_devices(self.env.world_size, local_world_size(self.env.world_size))[0]
         return self.env.world_size

@@ -29,6 +29,7 @@ from checks import load_config
 from launch.build import build_trainer
 from observe import perf
 from observe.tracker import NullTracker
+from parallel import env
 from parallel.dp import DataParallelStrategy
 from parallel.env import DistEnv, init_distributed
 from parallel.strategy import Strategy
@@ -158,7 +159,7 @@ def test_mfu_counts_every_device_the_layout_uses(monkeypatch):
     ddp = load_config(None, ["parallel.strategy=ddp", "trainer.batch_size=8"])
     assert Strategy(ddp, DistEnv(world_size=4, device=torch.device("cuda", 0))).num_devices == 4  # a GPU per process
     # on CPU, the process peaks the cores really give (test_mfu_counts_the_cpu_peaks_the_cores_really_give)
-    assert Strategy(ddp, DistEnv(world_size=4)).num_devices == perf.cpu_devices(4, 4)[0]
+    assert Strategy(ddp, DistEnv(world_size=4)).num_devices == env.cpu_devices(4, 4)[0]
     assert perf.mfu(1e6, 1e3, 1e9, 4) == pytest.approx(0.25)
 
 
@@ -197,12 +198,12 @@ def test_mfu_counts_the_cpu_peaks_the_cores_really_give(monkeypatch):
     process peaks, and the oversubscription is named; 2 processes on 2 cores are not flagged."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    devices, note = perf.cpu_devices(world_size=4, local_world_size=4)
+    devices, note = env.cpu_devices(world_size=4, local_world_size=4)
     assert devices == 2 and "4 processes x 1 thread(s) share 2 cores" in note, note
-    assert perf.cpu_devices(world_size=2, local_world_size=2) == (2, None)
-    assert perf.cpu_devices(world_size=8, local_world_size=4)[0] == 4  # two such nodes
+    assert env.cpu_devices(world_size=2, local_world_size=2) == (2, None)
+    assert env.cpu_devices(world_size=8, local_world_size=4)[0] == 4  # two such nodes
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert perf.cpu_devices(world_size=2, local_world_size=2)[0] == 1  # 2 x 2 threads on 2 cores
+    assert env.cpu_devices(world_size=2, local_world_size=2)[0] == 1  # 2 x 2 threads on 2 cores
 
 
 @pytest.mark.parametrize("seconds_per_matmul, sizes", [(0.001, [256, 512, 1024] * 2), (0.2, [256, 256])])
