@@ -48,8 +48,7 @@ from pathlib import Path
 
 import torch
 
-from launch.errors import write_error_file
-from parallel.env import pg_timeout, restart_count, side_store
+from parallel.env import pg_timeout, restart_count, side_store, write_error_file
 
 HANG_EXIT = 4
 LONG_PHASE_FACTOR = 4  # first steps (compile), evaluation, snapshot saves

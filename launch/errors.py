@@ -10,7 +10,6 @@ TORCHELASTIC_ERROR_FILE, the file torchrun's failure summary shows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 import warnings
@@ -20,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from config import Config, UsageError
 from guards.health import NonFiniteError
 from guards.replicas import ReplicaMismatch
+from parallel.env import write_error_file
 from storage.failures import STORAGE_EXIT, StorageError
 
 # How long a rank other than 0 waits before reporting an error under torchrun, so rank 0 (which
@@ -86,17 +86,6 @@ class OneLineErrors(ErrorHandler):
         if int(os.environ.get("RANK", "0")) != 0:
             time.sleep(RANK0_FIRST_S)
         write_error_file(line)
-
-
-def write_error_file(line: str) -> None:
-    """`line` as torchrun's failure summary shows it for this worker (TORCHELASTIC_ERROR_FILE;
-    nothing outside torchrun)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump({"message": {"message": line, "extraInfo": {
-            "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
 
 
 def reject_dashed_overrides(argv: list[str]) -> None:

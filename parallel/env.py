@@ -7,7 +7,9 @@ created. How the world is split into pp x dp x tp is the layout's (parallel/layo
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +76,17 @@ def cpu_devices(world_size: int, local_world_size: int) -> tuple[float, str | No
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def write_error_file(line: str) -> None:
+    """`line` as torchrun's failure summary shows it for this worker (TORCHELASTIC_ERROR_FILE;
+    nothing outside torchrun)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
 
 
 def pick_device(cfg: Config, local_rank: int, config_file: str | None = None,
