@@ -38,9 +38,6 @@ def wrap_ddp(module: nn.Module, cfg: Config, layout: Layout, mesh: DeviceMesh | 
         bucket_cap_mb=p.bucket_cap_mb,
         gradient_as_bucket_view=p.gradient_as_bucket_view,
         static_graph=p.static_graph,
-        # torch's fake process group (the dry run, tools/dry_run.py) carries no data: its fake
-        # parameters cannot be compared or broadcast across ranks
-        init_sync=env.backend != "fake",
     )
 
 

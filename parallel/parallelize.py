@@ -49,7 +49,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
     deferred = on_meta([model])
     if deferred and initial is None:
         raise ValueError("a model on the meta device needs its initial values (initial=)")
-    if not deferred and any(t.device != env.device for t in model.parameters()):  # fake tensors cannot move
+    if not deferred and any(t.device != env.device for t in model.parameters()):  # one already there stays as it is
         model.to(env.device)
     # 1. pipeline split: this rank's stages by stage id (the whole model is stage 0 without pp)
     stages = split_stages(model, layout, layout.coordinate(env.rank).pp) if layout.pp_enabled else {0: model}

@@ -66,7 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 from config import Config
 from model import GPT, lm_loss
 from parallel.dtensor import grad_like_param, local_tensor
-from parallel.env import DTYPES, new_group
+from parallel.env import new_group
 from parallel.layout import Layout
 from parallel.step import StepRunner, autocast, loss_context
 
@@ -109,12 +109,8 @@ def make_stage_module(model: GPT, stage: int, counts: tuple[int, ...]) -> GPT:
     return part
 
 
-class _Stage(PipelineStage):
-    """PipelineStage with three workarounds for torch 2.13, all measured."""
-
-    def __init__(self, *args, static: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.static = static
+class Stage(PipelineStage):
+    """PipelineStage with two workarounds for torch 2.13, both measured."""
 
     # 1. The first step's shape inference calls the module directly (not through the stage's
     # no_sync path): a DDP-wrapped stage would arm its reducer for a backward that never
@@ -125,19 +121,7 @@ class _Stage(PipelineStage):
         with sync_off:
             return module(*args, **kwargs)
 
-    # 2. On torch's fake process group (the dry run: tools/dry_run.py) nothing arrives, so the
-    # shape inference's object messages cannot run: every stage gets static shapes
-    # (`static_stage_args`), and the warm-up vote, whose answer is then known (every stage is
-    # static), is not exchanged (a received tensor would be fake, and its `.item()` raises).
-    def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.static:
-            return super()._warmup_forward_vote(has_backward, received_acc)
-        return torch.tensor([1], dtype=torch.int32)  # FakeTensorMode keeps a literal's value: .item() works
-
-    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
-        return self._warmup_forward_vote(True) if self.static else super()._warmup_backward_result(received_result)
-
-    # 3. schedule.eval() on a V-shape schedule still walks its backward actions, and the hand-off
+    # 2. schedule.eval() on a V-shape schedule still walks its backward actions, and the hand-off
     # of input gradients between two stages of one rank asserts that there is a backward. In a
     # forward-only pass there is nothing to hand off.
     def get_local_bwd_output(self, mb_index: int):
@@ -146,27 +130,6 @@ class _Stage(PipelineStage):
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
         if self.has_backward:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
-
-
-def static_stage_args(cfg: Config, layout: Layout, stage: int, device: torch.device) -> dict:
-    """PipelineStage's input_args/output_args of `stage`, from the layout alone: token ids (b, T)
-    into the first stage; between stages the residual stream (b, T, C), (b, T / tp, C) under
-    sequence parallelism (parallel/tp.py keeps it a local tensor), in FSDP2's parameter dtype
-    when its mixed precision runs, else fp32 (autocast computes the residual stream in fp32); out
-    of the last stage the logits (only their existence matters: no stage receives them)."""
-    p, m = cfg.parallel, cfg.model
-    b, t = layout.micro_batch_size, m.block_size
-    mixed = p.strategy == "fsdp" and p.mixed_precision != "none" and layout.dp_enabled
-    hidden = DTYPES[p.mixed_precision] if mixed else torch.float32
-    seq = t // layout.tp if p.sequence_parallel else t
-
-    def residual() -> torch.Tensor:  # requires grad: its gradient travels back to the stage before
-        return torch.empty(b, seq, m.n_embd, dtype=hidden, device=device, requires_grad=True)
-
-    first, last = stage == 0, stage == layout.num_stages - 1
-    inputs = torch.zeros(b, t, dtype=torch.long, device=device) if first else residual()
-    outputs = torch.empty(b, t, 1, dtype=hidden, device=device, requires_grad=True) if last else residual()
-    return {"input_args": (inputs,), "output_args": (outputs,)}
 
 
 class _Alias(nn.Module):
@@ -195,16 +158,18 @@ class Pipeline(StepRunner):
         self.tied_group = self._tied_weight_group() if self.tied else None
         self.pp_group = mesh["pp"].get_group()
         # torch PipelineStage objects (benchmarks/pp_bubble.py times them)
-        static = dist.get_backend(self.pp_group) == "fake"
-        self.stages = [_Stage(w, s, layout.num_stages, device, group=self.pp_group, static=static,
-                              **(static_stage_args(cfg, layout, s, device) if static else {}))
-                       for w, s in zip(wrapped, self.stage_ids)]
+        self.stages = [self.make_stage(w, s) for w, s in zip(wrapped, self.stage_ids)]
         cls = schedule_class(cfg, layout)
         self.schedule = cls(self.stages[0] if _single_stage(cls) else self.stages,
                             n_microbatches=layout.microbatches, loss_fn=self._loss, scale_grads=False)
         self._scale_loss = lambda loss: loss
         self._losses: list[torch.Tensor] = []
         super().__init__([self._make_state_view()])
+
+    def make_stage(self, module: nn.Module, stage_id: int) -> PipelineStage:
+        """torch's PipelineStage of one of this rank's stages; its input and output shapes are
+        inferred at the first step, from a message each stage sends the next."""
+        return Stage(module, stage_id, self.layout.num_stages, self.device, group=self.pp_group)
 
     def _tied_weight_group(self):
         """Process group of the two ranks holding the first and last stage at this rank's

@@ -12,9 +12,11 @@ what they leave uncovered):
   into tensors the fake group never fills: inside `fake_world` every rank gets its own object back
   (what every rank of a real launch computes from the same config);
 - DDP's start-up check compares parameters across ranks: skipped on the fake group
-  (parallel/ddp.py init_sync); its reducer asserts on the fake group's empty results, so each
-  bucket is all-reduced by a comm hook (the same call, payload and group);
-- pipeline stages get static shapes on the fake group (parallel/pp.py static_stage_args);
+  (`_UncheckedDDP` in parallel/ddp.py's place, init_sync off); its reducer asserts on the fake
+  group's empty results, so each bucket is all-reduced by a comm hook (the same call, payload and
+  group);
+- pipeline stages get static shapes on the fake group (`_StaticStage` made by Pipeline.make_stage,
+  `static_stage_args`);
 - log-step reads (`.item()` of the loss and norm) are not run: only Trainer.train_step;
 - the snapshot's DCP save plan is created (DefaultSavePlanner.create_local_plan), not written.
 """
@@ -29,9 +31,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -40,7 +44,10 @@ from char_dataset import Batching
 from config import Config
 from launch.build import assemble
 from model import GPT, GPTConfig
-from parallel.env import DistEnv
+from parallel import ddp
+from parallel.env import DTYPES, DistEnv
+from parallel.layout import Layout
+from parallel.pp import Pipeline, Stage
 from parallel.registry import build_strategy
 from parallel.strategy import Strategy
 from snapshots.state_split import split_state
@@ -80,22 +87,71 @@ def _own_object_back(*objects):
             "gather_object": gather_to}
 
 
+class _StaticStage(Stage):
+    """A pipeline stage on the fake group, where nothing arrives: the shape inference's object
+    messages cannot run, so every stage gets static shapes (`static_stage_args`), and the warm-up
+    vote, whose answer is then known (every stage is static), is not exchanged (a received
+    tensor would be fake, and its `.item()` raises)."""
+
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.tensor([1], dtype=torch.int32)  # FakeTensorMode keeps a literal's value: .item() works
+
+    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        return self._warmup_forward_vote(True)
+
+
+def static_stage_args(cfg: Config, layout: Layout, stage: int, device: torch.device) -> dict:
+    """PipelineStage's input_args/output_args of `stage`, from the layout alone: token ids (b, T)
+    into the first stage; between stages the residual stream (b, T, C), (b, T / tp, C) under
+    sequence parallelism (parallel/tp.py keeps it a local tensor), in FSDP2's parameter dtype
+    when its mixed precision runs, else fp32 (autocast computes the residual stream in fp32); out
+    of the last stage the logits (only their existence matters: no stage receives them)."""
+    p, m = cfg.parallel, cfg.model
+    b, t = layout.micro_batch_size, m.block_size
+    mixed = p.strategy == "fsdp" and p.mixed_precision != "none" and layout.dp_enabled
+    hidden = DTYPES[p.mixed_precision] if mixed else torch.float32
+    seq = t // layout.tp if p.sequence_parallel else t
+
+    def residual() -> torch.Tensor:  # requires grad: its gradient travels back to the stage before
+        return torch.empty(b, seq, m.n_embd, dtype=hidden, device=device, requires_grad=True)
+
+    first, last = stage == 0, stage == layout.num_stages - 1
+    inputs = torch.zeros(b, t, dtype=torch.long, device=device) if first else residual()
+    outputs = torch.empty(b, t, 1, dtype=hidden, device=device, requires_grad=True) if last else residual()
+    return {"input_args": (inputs,), "output_args": (outputs,)}
+
+
+def _static_stage(pipeline: Pipeline, module: nn.Module, stage_id: int) -> PipelineStage:
+    """Pipeline.make_stage on the fake group."""
+    return _StaticStage(module, stage_id, pipeline.layout.num_stages, pipeline.device, group=pipeline.pp_group,
+                        **static_stage_args(pipeline.cfg, pipeline.layout, stage_id, pipeline.device))
+
+
+class _UncheckedDDP(DistributedDataParallel):
+    """DDP without its start-up check: it compares and broadcasts the parameters across ranks,
+    and the fake group carries no data."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "init_sync": False})
+
+
 @contextlib.contextmanager
 def fake_world():
-    """The seams of the module doc that patch torch for as long as the dry run lasts."""
-    real_init = DeviceMesh.__init__
+    """The seams of the module doc that patch torch and the project's engines for as long as the
+    dry run lasts."""
+    real_init, real_stage, real_ddp = DeviceMesh.__init__, Pipeline.make_stage, ddp.DistributedDataParallel
 
     def mesh_init(self, *args, **kwargs):
         with unset_fake_temporarily():
             real_init(self, *args, **kwargs)
     saved = {name: getattr(dist, name) for name in _own_object_back()}
-    DeviceMesh.__init__ = mesh_init
+    DeviceMesh.__init__, Pipeline.make_stage, ddp.DistributedDataParallel = mesh_init, _static_stage, _UncheckedDDP
     for name, fn in _own_object_back().items():
         setattr(dist, name, fn)
     try:
         yield
     finally:
-        DeviceMesh.__init__ = real_init
+        DeviceMesh.__init__, Pipeline.make_stage, ddp.DistributedDataParallel = real_init, real_stage, real_ddp
         for name, fn in saved.items():
             setattr(dist, name, fn)
 
