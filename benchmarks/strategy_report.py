@@ -49,7 +49,16 @@ from launch.errors import reject_dashed_overrides
 from planner.hardware import Hardware
 from testing.local import CORPUS, torchrun_until
 from tools.calibrate import measure_local
-from tools.measure import CollectiveCounter, SavedBytes, StageClock, add_timer, loopback_tx_bytes
+from tools.measure import (
+    PLANNED_KINDS,
+    CollectiveCounter,
+    SavedBytes,
+    StageClock,
+    add_timer,
+    loopback_tx_bytes,
+    norm_phase,
+    planner_kind,
+)
 
 matplotlib.use("Agg")  # files only, no display (pyplot switches to it: no figure exists yet)
 
@@ -59,7 +68,7 @@ MODEL = [f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=8", "mode
          "trainer.eval_every=1000", "trainer.save_every=0", "trainer.sample_tokens=0", "trainer.resume=never",
          "trainer.device=cpu", "wandb.enabled=false"]
 MEMORY = ("params", "grads", "optimizer", "activations_per_microbatch")
-KINDS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")
+KINDS = PLANNED_KINDS
 MEMORY_BAR, BYTES_BAR, TIME_BAR = 0.05, 0.02, 0.20
 SLACK = 64  # bytes: a category predicted as 0 may measure this much
 
@@ -104,24 +113,6 @@ def config(overrides: list[str], run_dir: Path):
 # ----------------------------------------------------------------------------- worker (each rank)
 
 
-def planner_kind(call, groups: dict[tuple[int, ...], str]) -> str:
-    """The planner's collective kind of a measured call: tp for anything on the tp group, send-recv
-    for what a pipeline stage sends, the dp collectives by name (the project's gloo reduce-scatter is
-    an all-to-all + a local sum: parallel/collectives.py), the tied embedding's all-reduce."""
-    if call.phase == "norm":
-        return "norm"
-    group = groups.get(call.ranks, "other")
-    if group == "tp":
-        return "tp"
-    if call.kind in ("send", "recv"):
-        return "send-recv" if call.kind == "send" else "recv"
-    if call.kind == "all-to-all" and group == "dp":
-        return "reduce-scatter"
-    if call.kind in KINDS and group in ("dp", "tied", "pp"):
-        return call.kind
-    return f"other {call.kind} on {group}"
-
-
 def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int) -> dict:
     import torch.distributed as dist
 
@@ -136,21 +127,11 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int
         trainer.train_step()
     saved = SavedBytes()
     counter = CollectiveCounter()
-    clip = s.clip_grad_norm_
-
-    def clip_tagged(max_norm):  # the gradient norm's reductions: not part of the planner's volumes
-        counter.phase = "norm"
-        try:
-            return clip(max_norm)
-        finally:
-            counter.phase = ""
-    s.clip_grad_norm_ = clip_tagged
-    with counter:
+    with counter, norm_phase(s, counter):
         with saved.hooks():
             trainer.forward_backward()
         memory = s.resident_bytes(trainer.optimizer)
         trainer.optimizer_step()
-    s.clip_grad_norm_ = clip
     groups = group_names(s)  # the dry run reads the groups the same way
     by_kind: dict[str, dict[str, float]] = {}
     ops: dict[str, int] = {}

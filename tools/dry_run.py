@@ -34,10 +34,9 @@ from planner.records import PlannedLayout
 from planner.schedule import inflight_per_stage
 from planner.units import fmt_bytes
 from tools.fake_world import RankMeasurement, fake_world, measure_rank, start_rank
-from tools.measure import Call
+from tools.measure import PLANNED_KINDS, planner_kind
 
 TOLERANCE = 0.01  # a figure further than 1% from the planner's is a disagreement
-MOVED_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")  # planner's Collective.kind
 
 
 @dataclass
@@ -108,21 +107,6 @@ def predictions(cfg: Config, lay: PlannedLayout, vocab: int) -> list[tuple[dict[
     return out
 
 
-def planner_kind(call: Call, groups: dict[tuple[int, ...], str]) -> str:
-    """The planner's collective kind of a measured call (benchmarks/strategy_report.py's rule):
-    tp for anything on the tp group, send-recv for what a stage sends, the rest by name."""
-    group = groups.get(call.ranks, "other")
-    if call.phase == "norm":
-        return "gradient norm"
-    if group == "tp":
-        return "tp"
-    if call.kind in ("send", "recv"):
-        return "send-recv" if call.kind == "send" else "recv"
-    if call.kind == "all-to-all" and group == "dp":
-        return "reduce-scatter"
-    return call.kind if group in ("dp", "tied", "pp") else f"{call.kind} on another group"
-
-
 def compare(m: RankMeasurement, planned: tuple[dict[str, int], dict[str, int]], lay: PlannedLayout) -> list[Figure]:
     memory, moved = planned
     at_most = m.coordinate[1] != 0 or m.coordinate[2] != 0
@@ -132,7 +116,7 @@ def compare(m: RankMeasurement, planned: tuple[dict[str, int], dict[str, int]], 
     for c in m.calls:
         kind = planner_kind(c, m.groups)
         got[kind] = got.get(kind, 0.0) + c.moved
-    for kind in sorted(set(moved) | {k for k in got if k in MOVED_KINDS} | {k for k in got if " on " in k}):
+    for kind in sorted(set(moved) | {k for k in got if k in PLANNED_KINDS} | {k for k in got if " on " in k}):
         figures.append(Figure(f"moved {kind}", moved.get(kind, 0), got.get(kind, 0.0), at_most))
     return figures
 

@@ -52,7 +52,7 @@ from parallel.registry import build_strategy
 from parallel.strategy import Strategy
 from snapshots.state_split import split_state
 from snapshots.store import SnapshotManager
-from tools.measure import Call, CollectiveCounter, SavedBytes
+from tools.measure import Call, CollectiveCounter, SavedBytes, norm_phase
 from trainer import Trainer
 
 
@@ -230,16 +230,7 @@ def measure_rank(cfg: Config, world: int, rank: int, vocab: int) -> RankMeasurem
         with FakeTensorMode(allow_non_fake_inputs=True):
             trainer = build_rank(cfg, s, vocab, run_dir)
             counter, saved = CollectiveCounter(), SavedBytes()
-            clip = s.clip_grad_norm_
-
-            def clip_tagged(max_norm):  # the gradient norm's reductions: not in the planner's volumes
-                counter.phase = "norm"
-                try:
-                    return clip(max_norm)
-                finally:
-                    counter.phase = ""
-            s.clip_grad_norm_ = clip_tagged
-            with counter, saved.hooks():
+            with counter, saved.hooks(), norm_phase(s, counter):
                 trainer.train_step()
             counter.phase = "snapshot"
             with counter:

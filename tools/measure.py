@@ -20,6 +20,7 @@ measured per layout), benchmarks/bytes_per_strategy.py and benchmarks/pp_bubble.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,49 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 # ----------------------------------------------------------------------------- wire and time
+
+
+PLANNED_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")  # the planner's Collective.kind
+
+
+def planner_kind(call: Call, groups: dict[tuple[int, ...], str]) -> str:
+    """The planner's collective kind of a measured call: `norm` for the gradient norm's reductions
+    (not part of the planner's volumes), tp for anything on the tp group, send-recv for what a
+    pipeline stage sends, the dp collectives by name (the project's gloo reduce-scatter is an
+    all-to-all + a local sum: parallel/collectives.py), the tied embedding's all-reduce; a call on
+    any other group is named with it ("KIND on another group"). `groups`: the ranks of this rank's
+    groups -> their name (tools/fake_world.py group_names)."""
+    if call.phase == "norm":
+        return "norm"
+    group = groups.get(call.ranks, "other")
+    if group == "tp":
+        return "tp"
+    if call.kind in ("send", "recv"):
+        return "send-recv" if call.kind == "send" else "recv"
+    if call.kind == "all-to-all" and group == "dp":
+        return "reduce-scatter"
+    return call.kind if group in ("dp", "tied", "pp") else f"{call.kind} on another group"
+
+
+@contextlib.contextmanager
+def norm_phase(strategy, counter: "CollectiveCounter"):
+    """While entered, the collectives of strategy.clip_grad_norm_ are counted in phase "norm"."""
+    clip, own = strategy.clip_grad_norm_, "clip_grad_norm_" in vars(strategy)
+
+    def tagged(max_norm):
+        counter.phase = "norm"
+        try:
+            return clip(max_norm)
+        finally:
+            counter.phase = ""
+    strategy.clip_grad_norm_ = tagged
+    try:
+        yield
+    finally:
+        if own:
+            strategy.clip_grad_norm_ = clip
+        else:
+            del strategy.clip_grad_norm_  # the class's method again
 
 
 def loopback_tx_bytes() -> int:
