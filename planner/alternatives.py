@@ -70,12 +70,9 @@ def check_layout(cfg: Config, world: int) -> PlannedLayout:
     # model as it is), so those layouts are one layout
     engine = Engine.of(p) if lay.dp > 1 else Engine.NONE
     fsdp = engine is Engine.FSDP
-    return PlannedLayout(engine, lay.dp, lay.tp, lay.pp, p.pp_schedule if lay.pp > 1 else "",
-                         p.pp_stages_per_rank if lay.pp > 1 else 1, lay.micro_batch_size, lay.microbatches,
-                         p.activation_checkpointing, p.sequence_parallel, p.tp_vocab_parallel,
-                         p.reshard_after_forward if fsdp else engine is Engine.ZERO3,
-                         tuple(lay.stage_blocks), tuple(lay.stage_placement),
-                         lay.dp_replicate if fsdp else 1)
+    return PlannedLayout(lay, engine, p.pp_schedule if lay.pp > 1 else "", p.activation_checkpointing,
+                         p.sequence_parallel, p.tp_vocab_parallel,
+                         p.reshard_after_forward if fsdp else engine is Engine.ZERO3)
 
 
 def layout_config(cfg: Config, choice: DataParallelChoice, tp: int, pp: int) -> Config:

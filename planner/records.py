@@ -1,4 +1,5 @@
-"""The planner's records: what a layout is (`PlannedLayout`), what it costs on one rank
+"""The planner's records: what a layout is (`PlannedLayout`: the launch's own Layout and the options that
+price it), what it costs on one rank
 (`RankMemory`) and on the wire (`Collective`), one layout's prediction (`LayoutPlan`) and the
 whole `--plan` answer (`Plan`).
 
@@ -12,34 +13,47 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from parallel.layout import Layout
 from parallel.options import Engine
 
 
 @dataclass
 class PlannedLayout:
+    """A layout as the planner prices it: the launch's own `Layout` (parallel/layout.py: the
+    degrees, the batch split, the pipeline stages and their placement, computed by Layout.of) and
+    the engine and options that change what it costs."""
+    shape: Layout
     strategy: Engine  # NONE with one data-parallel rank: every engine leaves the model as it is
-    dp: int
-    tp: int
-    pp: int
     pp_schedule: str  # "" when pp == 1
-    stages_per_rank: int
-    micro_batch_size: int  # sequences per forward/backward on one rank
-    microbatches: int  # forward/backwards per optimizer step on one rank (pipeline M or accumulation)
     activation_checkpointing: bool
     sequence_parallel: bool
     tp_vocab_parallel: bool
     reshard_after_forward: bool  # fsdp's option; zero-3 always reshards; False for the others
-    stage_blocks: tuple[int, ...]  # transformer blocks per pipeline stage (parallel.layout.Layout)
-    stage_placement: tuple[int, ...]  # stage -> pp rank
-    dp_replicate: int = 1  # HSDP (fsdp): replica groups; FSDP2 shards over dp / dp_replicate ranks
+
+    # what Layout says, by the names the cost formulas use
+    dp = property(lambda self: self.shape.dp)
+    tp = property(lambda self: self.shape.tp)
+    pp = property(lambda self: self.shape.pp)
+    micro_batch_size = property(lambda self: self.shape.micro_batch_size)  # sequences per forward/backward
+    microbatches = property(lambda self: self.shape.microbatches)  # forward/backwards per step on one rank
+    stage_blocks = property(lambda self: tuple(self.shape.stage_blocks))  # transformer blocks per stage
+    stage_placement = property(lambda self: tuple(self.shape.stage_placement))  # stage -> pp rank
+    num_stages = property(lambda self: self.shape.num_stages)
+    stages_per_rank = property(lambda self: self.shape.num_stages // self.shape.pp)
+    world = property(lambda self: self.shape.world_size)
+
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP's replica groups (fsdp): FSDP2 shards over dp / dp_replicate ranks; 1 otherwise."""
+        return self.shape.dp_replicate if self.strategy is Engine.FSDP else 1
 
     @property
     def dp_shard(self) -> int:
         return self.dp // self.dp_replicate
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The pipeline stages placed on `pp_rank` (loop: one, interleaved: v, ZB-V: r and S-1-r)."""
+        return self.shape.stages_of(pp_rank)
 
     @property
     def name(self) -> str:
@@ -55,13 +69,16 @@ class PlannedLayout:
             parts.append(f"pp{self.pp} {self.pp_schedule}{v}")
         return " x ".join(parts)
 
-    def stages_of(self, pp_rank: int) -> list[int]:
-        """The pipeline stages placed on `pp_rank` (loop: one, interleaved: v, ZB-V: r and S-1-r)."""
-        return [s for s, rank in enumerate(self.stage_placement) if rank == pp_rank]
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stage_blocks)
+    def to_record(self) -> dict:
+        """The layout as --plan-json writes it (one flat record, the name last)."""
+        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp,
+                "pp_schedule": self.pp_schedule, "stages_per_rank": self.stages_per_rank,
+                "micro_batch_size": self.micro_batch_size, "microbatches": self.microbatches,
+                "activation_checkpointing": self.activation_checkpointing,
+                "sequence_parallel": self.sequence_parallel, "tp_vocab_parallel": self.tp_vocab_parallel,
+                "reshard_after_forward": self.reshard_after_forward, "stage_blocks": list(self.stage_blocks),
+                "stage_placement": list(self.stage_placement), "dp_replicate": self.dp_replicate,
+                "name": self.name}
 
 
 @dataclass
@@ -149,5 +166,5 @@ class Plan:
     def to_json(self) -> str:
         record = dataclasses.asdict(self)
         for lp, rec in zip(self.layouts, record["layouts"]):
-            rec["layout"]["name"] = lp.layout.name
+            rec["layout"] = lp.layout.to_record()
         return json.dumps(record, indent=1)
