@@ -52,18 +52,36 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelShape:
+    """What the GPT computes, whatever its vocabulary: model.py's GPTConfig is this and the
+    vocabulary size; ModelConfig is this and where a run's weights start."""
+    block_size: int = 64
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    block_size: int = 64
     dropout: float = 0.0
     bias: bool = True
-    tie_weights: bool = True
-    gelu: str = "erf"  # erf (exact) | tanh (GPT-2's approximation, needed by GPT-2 weights)
-    activation: str = "gelu"  # gelu | relu2 (relu(x)^2, the speedruns' MLP)
-    qk_norm: bool = False  # RMS-normalise q and k per head before attention
-    zero_init_proj: bool = False  # both output projections of every block start at zero
+    tie_weights: bool = True  # the LM head shares the token embedding matrix (GPT-2)
+    # GELU form: "erf" is exact (torch's default, what this project always trained with); "tanh"
+    # is the approximation GPT-2 was trained with (Hugging Face's "gelu_new"): imported GPT-2
+    # weights need it to give GPT-2's logits.
+    gelu: str = "erf"
+    # Options of the modded-nanogpt speedruns (https://github.com/KellerJordan/modded-nanogpt), off by
+    # default: "relu2" is the MLP activation relu(x)^2; qk_norm RMS-normalises q and k per head
+    # (no weight, so every layout shards it as it shards q and k); zero_init_proj starts both output
+    # projections of every block at zero, so each block begins as the identity.
+    activation: str = "gelu"  # gelu | relu2
+    qk_norm: bool = False
+    zero_init_proj: bool = False
+
+
+# What a model.pt, snapshot or GPT-2 from before a model setting existed computes: that setting's
+# old behaviour (a key at this value leaves the model's fingerprint as it was).
+BEFORE_THE_KEY = {"gelu": "erf", "activation": "gelu", "qk_norm": False}
+
+
+@dataclass
+class ModelConfig(ModelShape):
     init_from: str = ""  # start a new run from weights: a Hugging Face GPT-2 folder or a model.pt
     size: str = ""  # a named GPT-2 shape (gpt2 | gpt2-medium | gpt2-large | gpt2-xl) for n_layer/n_head/n_embd
 
@@ -170,7 +188,7 @@ class Config:
         at the value every run had before it existed (older snapshots keep their hash)."""
         shape = {k: v for k, v in dataclasses.asdict(self.model).items()
                  if k not in ("dropout", "init_from", "zero_init_proj", "size")
-                 and (k, v) not in (("gelu", "erf"), ("activation", "gelu"), ("qk_norm", False))}
+                 and (k, v) not in BEFORE_THE_KEY.items()}
         shape["tokenizer"] = self.data.tokenizer
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 

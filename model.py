@@ -29,36 +29,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from config import ModelShape
+
 
 @dataclass
-class GPTConfig:
+class GPTConfig(ModelShape):
+    """The model's shape (config.ModelShape: block size, depth, width, heads, dropout, bias, tied
+    head, GELU form, the speedruns' options) and its vocabulary."""
     vocab_size: int = 65
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True  # LM head shares the token embedding matrix (GPT-2)
-    # GELU form: "erf" is exact (torch's default, what this project always trained with); "tanh"
-    # is the approximation GPT-2 was trained with (Hugging Face's "gelu_new"): imported GPT-2
-    # weights need it to give GPT-2's logits.
-    gelu: str = "erf"
-    # Options of the modded-nanogpt speedruns (https://github.com/KellerJordan/modded-nanogpt), off by
-    # default: "relu2" is the MLP activation relu(x)^2; qk_norm RMS-normalises q and k per head
-    # (no weight, so every layout shards it as it shards q and k); zero_init_proj starts both output
-    # projections of every block at zero, so each block begins as the identity.
-    activation: str = "gelu"
-    qk_norm: bool = False
-    zero_init_proj: bool = False
 
     @classmethod
     def of(cls, model_cfg, vocab_size: int) -> "GPTConfig":
-        """The shape a config's `model` section (config.ModelConfig) gives with this vocabulary:
-        GPTConfig's own fields, read by name (the section's other keys, e.g. init_from, are not
-        shape)."""
-        return cls(vocab_size=vocab_size, **{f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(cls)
-                                             if f.name != "vocab_size"})
+        """The shape a config's `model` section (config.ModelConfig) gives with this vocabulary (the
+        section's other keys, e.g. init_from, are not shape)."""
+        return cls(vocab_size=vocab_size, **{f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(ModelShape)})
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from config import Config, UsageError
+from config import BEFORE_THE_KEY, Config, UsageError
 from snapshots.model_file import LazyTensors, ModelFile, read_model_file
 from storage.files import atomic_write
 
@@ -36,8 +36,6 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
 HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
 TOKENIZER_FILE = "mingpt_tokenizer.json"  # the project's tokenizer record, beside an exported folder
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias", "tie_weights", "gelu", "activation", "qk_norm")
-# What a model.pt (or GPT-2) from before a model setting existed computes: that setting's old behaviour
-BEFORE_THE_KEY = {"gelu": "erf", "activation": "gelu", "qk_norm": False}
 
 
 @dataclass

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from config import Config, UsageError
+from config import BEFORE_THE_KEY, Config, UsageError
 from snapshots.meta import SnapshotMeta
-from snapshots.pretrained import BEFORE_THE_KEY
 
 
 def nothing_left_message(cfg: Config, run_dir: Path, step: int, max_steps: int, decay_steps: int) -> str:
