@@ -5,10 +5,10 @@ step than the snapshot) writes `<run-dir>/model_step_<N>.pt` instead, so an olde
 replaces the run's final model. `sample.py --model FILE` and `model.init_from=FILE` read either.
 
 `--format hf --out DIR` writes a Hugging Face GPT-2 folder instead (config.json + model.safetensors
-+ the tokenizer record, see snapshots/pretrained.py) that `transformers.GPT2LMHeadModel.from_pretrained(DIR)`
++ the tokenizer record, see weights/pretrained.py) that `transformers.GPT2LMHeadModel.from_pretrained(DIR)`
 loads.
 
-Any layout's snapshot is reassembled in this one process (snapshots/consolidate.py); the result
+Any layout's snapshot is reassembled in this one process (weights/consolidate.py); the result
 loads with `torch.load(..., weights_only=True)`.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 from config import UsageError
-from snapshots.consolidate import consolidate
-from snapshots.meta import step_dir_name
-from snapshots.model_file import MODEL_FILE, read_model_file, write_model_file
-from snapshots.pretrained import write_hf
+from snapshots.format import step_dir_name
 from storage.failures import STORAGE_EXIT, error_words, fix_for, os_error_in
+from weights.consolidate import consolidate
+from weights.model_file import MODEL_FILE, read_model_file, write_model_file
+from weights.pretrained import write_hf
 
 
 def model_step_path(run_dir: Path, step: int) -> Path:

@@ -51,9 +51,9 @@ from config import DEFAULT_CONFIG, UsageError
 from launch.app import run
 from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
 from planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
-from snapshots.pretrained import adopt_model_shape
 from tools.calibrate import measure_local
 from tools.dry_run import dry_run_command
+from weights.pretrained import adopt_model_shape
 
 
 def parse_args(argv):

@@ -1,7 +1,7 @@
 """Generate text from a trained run: `python sample.py --run-dir runs/<name> --prompt "ROMEO:"`.
 
 Reads `<run_dir>/model.pt` (plain tensors + configs + tokenizer, loaded with weights_only=True:
-snapshots/model_file.py), another such file with `--model FILE` (e.g. export.py's
+weights/model_file.py), another such file with `--model FILE` (e.g. export.py's
 `model_step_<N>.pt`), or with `--snapshot` the newest valid snapshot of the run (any strategy, any
 world size: DCP reassembles the shards in this one process). Needs no process group and no GPU.
 """
@@ -15,8 +15,8 @@ from config import TrainerConfig, UsageError
 from corpus.text import FALLBACK_RUN_DIR
 from corpus.tokenizers import tokenizer_from_dict
 from launch.sampling import default_prompt, generate_text
-from snapshots.consolidate import consolidate
-from snapshots.model_file import MISSING, MODEL_FILE, read_model_file
+from weights.consolidate import consolidate
+from weights.model_file import MISSING, MODEL_FILE, read_model_file
 
 
 def _missing(run_dir: Path) -> str:

@@ -40,10 +40,10 @@ from observe.profiling import StepProfiler
 from observe.step_metrics import CudaPeaks, RunSummary, StepWindow, memory_row
 from observe.tracker import NullTracker, Progress, RunTracker
 from parallel.strategy import OPTIMIZER_KERNEL_KEYS, Strategy
-from snapshots.meta import SnapshotMeta
-from snapshots.model_file import ModelFile, write_model_file
+from snapshots.format import SnapshotMeta
 from snapshots.resume import refuse_another_run, rng_state, set_rng_state
 from snapshots.store import SnapshotManager
+from weights.model_file import ModelFile, write_model_file
 
 
 def seed_rng(seed: int, step: int, dp_rank: int) -> None:
@@ -355,5 +355,5 @@ class Trainer:
     # ------------------------------------------------------------------ outputs
 
     def write_model(self, path: Path, sd: dict) -> None:
-        """model.pt of these weights (snapshots/model_file.py: whole or not at all)."""
+        """model.pt of these weights (weights/model_file.py: whole or not at all)."""
         write_model_file(path, ModelFile.from_snapshot(self.state_meta(), sd))

@@ -41,8 +41,8 @@ import yaml
 from cpu_shakespeare import NANOGPT_CPU
 
 from model import GPT, GPTConfig
-from snapshots.model_file import read_model_file
 from testing.local import CORPUS, REPO, SHARED
+from weights.model_file import read_model_file
 
 NANOGPT = SHARED / "peers" / "nanoGPT"
 BLOCK, BATCH = 64, 12

@@ -30,12 +30,12 @@ from model import GPT, GPTConfig
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, cpu_devices, init_distributed, local_world_size, shutdown
 from planner.auto import choose_layout
-from snapshots.model_file import MODEL_FILE
-from snapshots.pretrained import adopt_model_shape
 from snapshots.resume import nothing_left_message
 from storage.failures import StorageError, os_error_in
 from storage.files import atomic_write_text
 from trainer import Trainer
+from weights.model_file import MODEL_FILE
+from weights.pretrained import adopt_model_shape
 
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, --plan-json and --explain"
 

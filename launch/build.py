@@ -32,9 +32,9 @@ from observe.profiling import StepProfiler
 from parallel.env import DistEnv
 from parallel.registry import build_strategy
 from parallel.strategy import Strategy
-from snapshots.pretrained import Source, check_shape, check_tokenizer, initial_weights, open_source
 from snapshots.store import SnapshotManager
 from trainer import Guards, Trainer, TrainerParts, seed_rng
+from weights.pretrained import Source, check_shape, check_tokenizer, initial_weights, open_source
 
 
 def build_trainer(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str] | None = None) -> Trainer:

@@ -9,7 +9,7 @@ import math
 
 from char_dataset import TokenDataset
 from config import Config
-from snapshots.meta import SnapshotMeta
+from snapshots.format import SnapshotMeta
 
 
 def lr_at(step: int, cfg: Config, max_steps: int) -> float:

@@ -9,7 +9,7 @@ read-only at the save of step 10).
                                                                  `step`), before the loop's first step
     save                 at("save", step, rank)                  snapshots/store.py: a rank wrote its shards of
                                                                  snapshot `step`, the folder still temporary;
-                                                                 snapshots/background.py: the background write of
+                                                                 snapshots/writer.py: the background write of
                                                                  `step` is done on every rank, before rank 0's commit
     write                at("write", step, rank)                 snapshots/writer.py: a rank starts writing its
                                                                  files of snapshot `step` (a background save: on

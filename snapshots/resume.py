@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from config import BEFORE_THE_KEY, Config, UsageError
-from snapshots.meta import SnapshotMeta
+from snapshots.format import SnapshotMeta
 
 
 def nothing_left_message(cfg: Config, run_dir: Path, step: int, max_steps: int, decay_steps: int) -> str:

@@ -22,7 +22,7 @@ the `trainer.keep_snapshots` newest valid ones are deleted only after the new on
 Leftover temp folders (a killed save's) are removed when the next save starts.
 
 Loading: rank 0 walks the snapshots newest first and takes the first valid one
-(snapshots/validate.py; a damaged one is skipped with a warning), then
+(snapshots/format.py; a damaged one is skipped with a warning), then
 broadcasts its choice so every rank loads the same one. A damaged snapshot is never counted by
 pruning (the newest valid one is never deleted) and is moved aside into `snapshots/damaged/` at
 the next save, not deleted.
@@ -30,7 +30,7 @@ the next save, not deleted.
 Nothing is unpickled: DCP holds only tensors (read with torch.load(weights_only=True)); the
 non-tensor state (optimizer param groups) goes to meta.json; DCP's own `.metadata` index is a
 pickle, so it is read by an unpickler that admits only the classes of DCP's Metadata
-(snapshots/reader.py), and a snapshot whose index names anything else, or non-tensor (BYTE_IO)
+(snapshots/format.py), and a snapshot whose index names anything else, or non-tensor (BYTE_IO)
 entries, counts as damaged.
 
 `SnapshotMeta` is the run's record in meta.json (what the Trainer writes and reads back, and what
@@ -54,12 +54,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from config import UsageError
 from observe import hooks
-from snapshots.background import BackgroundSaves, SaveTiming
-from snapshots.meta import FORMAT_VERSION, META, SnapshotMeta, step_dir_name
-from snapshots.reader import SafeReader, UnsafeSnapshot, read_dcp_metadata
-from snapshots.state_split import merge_ranks, put_rest, split_state
-from snapshots.validate import list_snapshots, other_format_refusal, validate_snapshot
-from snapshots.writer import SnapshotWriter, rename_into_place, write_record
+from snapshots.format import (
+    FORMAT_VERSION,
+    META,
+    SafeReader,
+    SnapshotMeta,
+    UnsafeSnapshot,
+    list_snapshots,
+    merge_ranks,
+    other_format_refusal,
+    put_rest,
+    read_dcp_metadata,
+    split_state,
+    step_dir_name,
+    validate_snapshot,
+)
+from snapshots.writer import BackgroundSaves, SaveTiming, SnapshotWriter, rename_into_place, write_record
 from storage.failures import StorageError, error_words, os_error_in, room_problem
 
 DAMAGED = "damaged"  # snapshots/damaged/<name>: damaged snapshots moved aside, never loaded
@@ -93,7 +103,7 @@ class SnapshotManager:
     _verdicts: dict[str, str] = field(default_factory=dict)
     _reported: set[str] = field(default_factory=set)  # damaged ones already warned about
     newest: Path | None = None  # the newest valid snapshot (resumed from or written): the resume point
-    background: bool = False  # trainer.async_save: write and commit on a thread (snapshots/background.py)
+    background: bool = False  # trainer.async_save: write and commit on a thread (snapshots/writer.py)
     _saves: BackgroundSaves | None = None
     _in_flight: Path | None = None  # the final folder of the background save not yet waited for
     _timing: SaveTiming | None = None  # the newest finished save's, not yet logged
@@ -163,7 +173,7 @@ class SnapshotManager:
         return final
 
     def _save_in_background(self, step: int, tensors: dict, tmp: Path, final: Path, record: dict) -> Path:
-        """Collective. Wait for the save in flight, then start this one (snapshots/background.py)."""
+        """Collective. Wait for the save in flight, then start this one (snapshots/writer.py)."""
         self.finish_background()
         try:
             self._on_rank0(lambda: self._prepare(tmp))

@@ -5,7 +5,7 @@ can finish. `install` (run at start-up in every process the tests start: testing
 observe/hooks.py when MINGPT_FAULT is set; each point reads MINGPT_FAULT again when reached. The
 WHEREs are those points: `train` (trainer.py, the model built, before the loop's first step:
 STEP is the step it starts at), `save` (snapshots/store.py, right after a rank wrote its shards of
-snapshot STEP, the folder still temporary; on a background save snapshots/background.py, once
+snapshot STEP, the folder still temporary; on a background save snapshots/writer.py, once
 every rank's write is done, before rank 0's commit; for `eio`, the `snapshot_filesystem` point:
 inside that rank's write of them, snapshots/writer.py), `write` (snapshots/writer.py, as a rank
 starts writing its files of snapshot STEP: on a background save, while training goes on) and

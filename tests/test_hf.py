@@ -26,9 +26,9 @@ from corpus.text import load_corpus
 from corpus.tokenizers import tokenizer_from_dict
 from launch.build import build_trainer
 from parallel.env import init_distributed
-from snapshots.model_file import read_model_file
-from snapshots.pretrained import adopt_model_shape
 from testing.local import TINY, torchrun
+from weights.model_file import read_model_file
+from weights.pretrained import adopt_model_shape
 
 # A GPT-2 of the test size: 2 blocks, 2 heads (tp=2 splits them), the GPT-2 vocabulary.
 HF_SHAPE = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)
@@ -310,7 +310,7 @@ def test_a_hugging_face_folder_is_read_one_tensor_at_a_time_and_only_when_asked(
     with it (parallel/materialize.py), then that tensor alone: no rank holds the whole source."""
     import safetensors
 
-    import snapshots.pretrained as pretrained
+    import weights.pretrained as pretrained
     from model import GPT, GPTConfig
     path, _ = hf_dir
     reads = []

@@ -30,7 +30,6 @@ import torch
 
 import main as app
 from harness import metric_rows, model_tensors
-from snapshots.consolidate import consolidate
 from testing.local import REPO, TINY, child_env, multiprocess_lock, worker_pids
 from testing.multinode import (
     LAUNCH_TIMEOUT_S,
@@ -42,6 +41,7 @@ from testing.multinode import (
     wait_for,
 )
 from testing.parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
+from weights.consolidate import consolidate
 
 STEPS = 40
 # log_every=1: a loss and a gradient norm for every step; snapshots every 10 steps.

@@ -187,7 +187,7 @@ def test_metadata_reader_refuses_what_dcp_never_writes(trained, tmp_path):
     would set attributes on a class (which the C unpickler, with find_class alone, allows)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from snapshots.reader import UnsafeSnapshot, read_dcp_metadata
+    from snapshots.format import UnsafeSnapshot, read_dcp_metadata
 
     md = read_dcp_metadata(snap(trained, 6))
     assert md.state_dict_metadata and "model.tok_emb.weight" in md.state_dict_metadata
@@ -210,7 +210,7 @@ def test_a_resume_parses_the_dcp_index_once_and_again_after_a_change(run, monkey
     """The restricted unpickler is pure Python: a resume parses the snapshot's index once, not at
     each of its four reads (validation, stored keys, the load's check, DCP's reader); an index
     changed on disk is parsed again."""
-    from snapshots import reader as dcp_reader
+    from snapshots import format as dcp_reader
     parses = []
     real_load = dcp_reader._MetadataUnpickler.load
     monkeypatch.setattr(dcp_reader._MetadataUnpickler, "load", lambda self: parses.append(1) or real_load(self))

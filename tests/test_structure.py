@@ -179,6 +179,7 @@ LAYERS = (
     ("checks", ("checks",)),
     ("trainer", ("trainer",)),
     ("guards", ("guards",)),
+    ("weights", ("weights",)),
     ("snapshots", ("snapshots",)),
     ("corpus", ("corpus",)),
     ("batches", ("char_dataset",)),
@@ -327,7 +328,7 @@ def test_the_checks_see_what_they_look_for():
     assert [line for line, _ in dash_splits(ast.parse(code))] == [1, 2]
     level = "module level"
     layered = [Edge("snapshots.store", "testing.faults", 5, level), Edge("trainer", "launch.schedule", 10, level),
-               Edge("corpus.text", "snapshots.meta", 2, level), Edge("observe.hooks", "parallel.env", 3, "in f()"),
+               Edge("corpus.text", "snapshots.format", 2, level), Edge("observe.hooks", "parallel.env", 3, "in f()"),
                Edge("observe", "observe.hooks", 1, level), Edge("launch.app", "launch.build", 1, level),
                Edge("tools.dry_run", "launch.build", 1, level), Edge("corpus.text", "char_dataset", 1, level),
                Edge("trainer", "nowhere", 1, level)]

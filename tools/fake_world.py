@@ -50,7 +50,7 @@ from parallel.layout import Layout
 from parallel.pp import Pipeline, Stage
 from parallel.registry import build_strategy
 from parallel.strategy import Strategy
-from snapshots.state_split import split_state
+from snapshots.format import split_state
 from snapshots.store import SnapshotManager
 from tools.measure import Call, CollectiveCounter, SavedBytes, norm_phase
 from trainer import Trainer

@@ -27,8 +27,8 @@ import safetensors.torch
 import torch
 
 from config import BEFORE_THE_KEY, Config, UsageError
-from snapshots.model_file import LazyTensors, ModelFile, read_model_file
 from storage.files import atomic_write
+from weights.model_file import LazyTensors, ModelFile, read_model_file
 
 GPT2_VOCAB = 50257  # the GPT-2 BPE (tiktoken r50k_base): what a Hugging Face GPT-2 folder tokenizes with
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses

@@ -13,11 +13,16 @@ from pathlib import Path
 
 from config import UsageError
 from model import GPT, GPTConfig
-from snapshots.meta import SnapshotMeta, step_dir_name
-from snapshots.model_file import ModelFile
-from snapshots.reader import UnsafeSnapshot
+from snapshots.format import (
+    SnapshotMeta,
+    UnsafeSnapshot,
+    list_snapshots,
+    other_format_refusal,
+    step_dir_name,
+    validate_snapshot,
+)
 from snapshots.store import load_tensors
-from snapshots.validate import list_snapshots, other_format_refusal, validate_snapshot
+from weights.model_file import ModelFile
 
 
 def consolidate(run_dir: Path, step: int | None) -> ModelFile:

@@ -5,7 +5,7 @@ names, the model shape, the resolved config, the tokenizer record, the step), so
 `torch.load(path, weights_only=True)` reads it and nothing is unpickled. main.py writes it at the
 end of a run, export.py from any snapshot; sample.py and `model.init_from` read it with the same
 checks. `LazyTensors`: weights by name read one tensor at a time (`model.init_from`'s model.pt,
-memory-mapped, and its Hugging Face folders: snapshots/pretrained.py).
+memory-mapped, and its Hugging Face folders: weights/pretrained.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 from config import UsageError
 from model import GPT, GPTConfig
-from snapshots.meta import SnapshotMeta
+from snapshots.format import SnapshotMeta
 from storage.files import atomic_write
 
 MODEL_FILE = "model.pt"  # the run's final model, in its run folder
