@@ -1,6 +1,6 @@
 """Predict what a parallel layout costs before any process is launched: `python main.py --plan`.
 
-The public names of the planner, for main.py, benchmarks/strategy_report.py and the tests:
+The public names of the planner (this package), for main.py, benchmarks/strategy_report.py and the tests:
 `plan(cfg, world_size, device_memory, hardware, reserve)` returns a `Plan`, one `LayoutPlan` per
 layout (the configured one first, then every alternative the launch's checks accept, fitting and
 fastest first), each with its predicted step time, tokens/s and MFU on `hardware`, and the
@@ -19,7 +19,7 @@ Where each part lives (docs/planner.md has the formulas and their measurement):
     layout_plan.py  one layout: plan_layout
     alternatives.py every layout of a world size: check_layout, plan (ranked by predicted time)
     hardware.py     `--hardware NAME|FILE`: the devices, links and peaks a step time is predicted for
-    calibrate.py    `--hardware local`: this machine measured once (matmul, gloo all-reduce), cached
+    local_hardware.py `--hardware local`: this machine's figures as tools/calibrate.py cached them
     timing.py       one layout's step time: compute, recomputation, bubble, communication, optimizer
     advice.py       nothing fits: which knobs make what fit
     render.py       the text table and its legend

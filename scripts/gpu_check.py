@@ -125,7 +125,7 @@ def check_cuda() -> Result:
 
 
 def check_flight_recorder(c: Check) -> Result:
-    """The watchdog's reader (launch/watchdog.flight_records) sees NCCL's CUDA collectives."""
+    """The watchdog's reader (guards/watchdog.flight_records) sees NCCL's CUDA collectives."""
     r = c.run("flight_recorder", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                                   "scripts/gpu_check.py", "--probe-flight-recorder"], 120, TORCH_FR_BUFFER_SIZE=200)
     found = re.search(r"^probe: (\{.*\})$", r.stdout, re.M)
