@@ -12,13 +12,14 @@ from config import Config
 from model import GPTConfig
 from parallel.options import Engine
 from planner.activations import ActivationModel, activation_model, rank_activation_bytes, transient_bytes
-from planner.engines import EngineCosts, engine_costs
+from planner.engines import DDPCosts, EngineCosts, ModelState, engine_costs
 from planner.hardware import Hardware
-from planner.inventory import ADAM_STATE_BYTES, RankTensors, held_tensors
+from planner.inventory import ADAM_STATE_BYTES, PARAM_BYTES, RankTensors, held_tensors
 from planner.records import Collective, LayoutPlan, PlannedLayout, RankMemory
 from planner.schedule import bubble_fraction, inflight_per_stage
 from planner.timing import compute_dtype, step_time
 from planner.traffic import pp_collectives, tp_collective
+from planner.units import numel
 
 
 def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
@@ -58,10 +59,25 @@ def rank_memory(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: E
     per_microbatch, activations = rank_activation_bytes(g, am, lay, inflight)
     transient = transient_bytes(g, am, lay, lay.num_stages - 1 in inflight)
     buffers, notes = engine.buffers(held)
-    peak = state.params + state.grads + state.optimizer + activations + transient + buffers
+    built, built_host = construction_bytes(held, engine, state)
+    peak = max(state.params + state.grads + state.optimizer + activations + transient + buffers, built)
     in_flight = round(activations / per_microbatch, 2) if per_microbatch else 0.0
     return RankMemory(pp_rank, state.params, state.grads, state.optimizer, activations, per_microbatch, in_flight,
-                      transient, buffers, state.host, peak, notes + list(state.notes))
+                      transient, buffers, state.host, peak, notes + list(state.notes), construction=built,
+                      construction_host=built_host)
+
+
+def construction_bytes(held: RankTensors, engine: EngineCosts, state: ModelState) -> tuple[int, int]:
+    """(device, host) peak bytes on one rank while the model is built and loaded (launch/build.py,
+    parallel/materialize.py). The GPT is made on the meta device, split and sharded there; then the
+    rank allocates its share of the fp32 parameters on its device (`state.params`: sharded by
+    FSDP2/zero-3, whole replicas under ddp and ZeRO-1/2; none under cpu_offload), and DDP its
+    gradient buckets when it wraps the replica (+ 4a). Each parameter is filled from its whole
+    initial value (its generator's, or init_from's tensor read from a memory-mapped file), made in
+    host memory one parameter at a time and dropped: the host's peak is the largest whole parameter
+    this rank holds a slice of. On a CPU the two are one memory: they add."""
+    buckets = held.elems * PARAM_BYTES if isinstance(engine, DDPCosts) and engine.ranks > 1 else 0
+    return state.params + buckets, max((numel(t.spec.shape) for t in held), default=0) * PARAM_BYTES
 
 
 def rank_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: EngineCosts,

@@ -111,8 +111,10 @@ class RankMemory:
     transient: int  # live at the peak but not saved: logits at the loss, a recomputed block
     buffers: int  # communication buffers: gathered FSDP parameters, unsharded grads, buckets
     host: int  # bytes kept in host memory instead (fsdp cpu_offload)
-    peak: int
+    peak: int  # the step's peak, or construction's where that is higher
     notes: list[str] = field(default_factory=list)
+    construction: int = 0  # on the device while the model is built and loaded (planner/layout_plan.py)
+    construction_host: int = 0  # in host memory then: the largest whole initial value (a CPU: + construction)
 
 
 @dataclass

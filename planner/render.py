@@ -77,10 +77,20 @@ def render(pl: Plan, explain: bool = False) -> str:
     lines.append(f"* configured layout; {len(pl.layouts)} layouts shown ({order}), {len(pl.refused)} refused "
                  f"(--plan-json lists why); buf+tmp: communication buffers and transients (logits at the loss, a recomputed block); "
                  f"bytes moved per rank per optimizer step, busiest rank")
+    if pl.layouts:
+        lines.append(built_line(pl.layouts[0]))
     if explain and pl.layouts:
         lines += explain_time(pl.layouts[0])
     lines.append(EXPLAIN if explain else LEGEND)
     return "\n".join(lines)
+
+
+def built_line(lp: LayoutPlan) -> str:
+    """What the first row holds while the model is built and loaded (no rank builds the whole model)."""
+    m, ddp = lp.memory, lp.layout.strategy.value == "ddp" and lp.layout.dp > 1
+    return (f"built: {display_name(lp)} allocates {fmt_bytes(m.construction)} on its fullest rank's device while the "
+            f"model is built and loaded (its share of the fp32 parameters{' + DDP buckets' if ddp else ''}), and "
+            f"{fmt_bytes(m.construction_host)} of host memory for the largest whole initial value (on a CPU: both)")
 
 
 def refusal_groups(refused: dict[str, str]) -> list[str]:

@@ -78,6 +78,38 @@ def test_zero_formulas_and_ring_volumes(tmp_path):
             assert moved["reduce-scatter"] == round(k * (n - 1) / n)
 
 
+def test_construction_is_the_ranks_share_on_the_device_and_one_whole_parameter_on_the_host(tmp_path):
+    """While the model is built and loaded, a rank allocates its share of the fp32 parameters on
+    its device (+ DDP's buckets, which it allocates at wrap time) and makes one parameter's whole
+    initial value at a time in host memory (launch/build.py, parallel/materialize.py): fsdp on 8
+    ranks never holds the whole model, ddp holds its replica; the step's peak is never below it."""
+    n = 4
+    shapes = {"ddp": ["parallel.strategy=ddp"], "zero-1": ["parallel.strategy=zero", "parallel.zero_stage=1"],
+              "fsdp": ["parallel.strategy=fsdp"], "tp": ["parallel.strategy=none", "parallel.tp=4",
+                                                         "trainer.micro_batch_size=0"]}
+    for name, overrides in shapes.items():
+        cfg = config(tmp_path, "trainer.micro_batch_size=0", *overrides)
+        g = planner.gpt_config(cfg, vocab=64)
+        inv = planner.parameter_inventory(g)
+        a = sum(planner.numel(t.shape) for t in inv)
+        whole = 4 * max(planner.numel(t.shape) for t in inv)
+        lp = planner.plan_layout(cfg, g, planner.check_layout(cfg, n), True, None)
+        mem = lp.memory
+        device = {"ddp": 4 * a + 4 * a, "zero-1": 4 * a, "fsdp": mem.params, "tp": mem.params}[name]
+        if name == "fsdp":  # an eighth of the model, and FSDP2's padded dim-0 rows (ceil(dim0 / n))
+            assert 4 * a // n <= mem.params < 1.02 * 4 * a // n
+        assert (mem.construction, mem.construction_host) == (device, whole), name
+        assert mem.construction < 4 * a or name in ("ddp", "zero-1"), name  # no sharded rank holds the model
+        assert mem.peak >= mem.construction and mem.peak >= mem.params + mem.grads + mem.optimizer
+    whole_plan = planner.plan(cfg, n, None, None)
+    assert all(lp.memory.peak >= lp.memory.construction for lp in whole_plan.layouts)
+    assert "built: " in planner.render(whole_plan) and "host memory for the largest whole initial value" \
+        in planner.render(whole_plan)
+    record = json.loads(whole_plan.to_json())["layouts"][0]["memory"]
+    first = whole_plan.layouts[0].memory
+    assert (record["construction"], record["construction_host"]) == (first.construction, first.construction_host)
+
+
 @pytest.mark.parametrize("overrides", [
     "", "parallel.activation_checkpointing=true", "model.dropout=0.1", "trainer.precision=bf16",
     "trainer.precision=bf16 parallel.activation_checkpointing=true model.tie_weights=false model.bias=false",
