@@ -50,7 +50,15 @@ from config import DEFAULT_CONFIG, UsageError, load_config
 from costs.dry_run import dry_run_command
 from costs.planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
 from launch.app import run
-from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
+from launch.errors import (
+    OneLineErrors,
+    bare_key_hint,
+    error_line,
+    exit_code,
+    one_line_warnings,
+    quiet_broken_pipe,
+    reject_dashed_overrides,
+)
 from snapshots.pretrained import adopt_model_shape
 
 
@@ -83,7 +91,13 @@ def parse_args(argv):
     plan.add_argument("--plan-json", default=None, metavar="PATH", help="also write the plan as JSON to PATH")
     plan.add_argument("--explain", action="store_true", help="with --plan: every formula and its source")
     ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
-    return ap.parse_args(argv)
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        hint = bare_key_hint(unknown, list(argv))
+        if hint:
+            raise UsageError(hint)
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def print_plan(args) -> int:
@@ -159,4 +173,4 @@ def main(argv=None, keep_process_group: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_broken_pipe(main))
