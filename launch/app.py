@@ -222,6 +222,8 @@ def write_outputs(outputs: dict, final_snapshot: Path | None, run_dir: Path) -> 
     for name, write in outputs.items():
         try:
             write()
+        except BrokenPipeError:  # stdout's reader went away (`| head`): main.py ends quietly, not a write failure
+            raise
         except Exception as e:  # the run is complete: nothing here may turn it into a failed one
             failed[name] = e
     if not failed:
