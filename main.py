@@ -49,7 +49,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from config import DEFAULT_CONFIG, UsageError, load_config
 from costs.dry_run import dry_run_command
 from costs.planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
-from launch.app import run
+from launch.app import adopt_unset_keys, run
 from launch.errors import (
     OneLineErrors,
     bare_key_hint,
@@ -59,7 +59,6 @@ from launch.errors import (
     quiet_broken_pipe,
     reject_dashed_overrides,
 )
-from snapshots.pretrained import adopt_model_shape
 
 
 def parse_args(argv):
@@ -102,7 +101,7 @@ def parse_args(argv):
 
 def print_plan(args) -> int:
     """--plan: predictions for every layout on --world-size ranks (costs/planner.py); no process group."""
-    cfg = load_config(args.config, args.overrides, adopt=adopt_model_shape)
+    cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
@@ -129,7 +128,7 @@ def print_plan(args) -> int:
 
 def run_dry(args) -> int:
     """--dry-run: the real code of every rank role of --world-size ranks, beside the plan (costs/dry_run.py)."""
-    cfg = load_config(args.config, args.overrides, adopt=adopt_model_shape)
+    cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")

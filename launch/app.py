@@ -19,6 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from config import Config, UsageError, dump_yaml, load_config
+from corpus.token_files import adopt_corpus_tokenizer
 from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
 from costs.auto import choose_layout
 from launch import faults
@@ -41,12 +42,19 @@ from trainer import Trainer
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, --plan-json and --explain"
 
 
+def adopt_unset_keys(cfg: Config, explicit: set[str]) -> None:
+    """load_config's `adopt` for every command: the keys the user did not set take the values of
+    what names them (model.size or model.init_from: the shape; a token corpus: the tokenizer)."""
+    adopt_model_shape(cfg, explicit)
+    adopt_corpus_tokenizer(cfg, explicit)
+
+
 def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     """One launch. `keep_process_group`: leave the process group up at the end, for a caller that
     runs several launches in one torchrun job (the tests' workers)."""
     faults.install()  # MINGPT_FAULT's faults into the hook points (observe/hooks.py), before anything runs
     cfg = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                      adopt=adopt_model_shape)
+                      adopt=adopt_unset_keys)
     if any(v is not None for v in (args.world_size, args.device_memory, args.reserve_memory, args.hardware)) \
             or args.plan_json or args.explain:
         raise UsageError(f"{PLAN_ONLY_FLAGS} only apply with --plan; add --plan")
