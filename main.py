@@ -40,6 +40,11 @@ from launch.stopping import (
     stop_while_loading,
 )
 
+# Kineto (torch.profiler's engine, trainer.profile) prints `USDT: ... profiler_start` and `profiler_stop`
+# on stderr: level USDT (5) is its highest, so only 6 silences it (kineto/ILoggerObserver.h), its errors
+# (4) too. Read once, when torch loads; KINETO_LOG_LEVEL=4 in the environment shows the errors again.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
 if __name__ == "__main__":  # torch loads for seconds: a Ctrl-C meanwhile is one line, not a traceback
     for _sig in STOP_SIGNALS:
         signal.signal(_sig, stop_while_loading)

@@ -93,7 +93,7 @@ class Trainer:
         env = strategy.env  # launch/app.py runs resume and train() inside self.watchdog.watching(step)
         self.watchdog = HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,
                                      env.distributed, run_dir)
-        self.profiler = StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device)
+        self.profiler = StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device, self.max_steps)
         gpu_clock = GpuBlockClock([b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]) \
             if strategy.device.type == "cuda" else None  # a GPU's own time: observe/stragglers.py
         self.stragglers = StragglerWatch(env.rank, env.world_size, env.local_rank, env.distributed, strategy.is_tracker,

@@ -30,6 +30,7 @@ from launch.schedule import schedule_notes
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
 from model import GPT, GPTConfig
 from observe.perf import cpu_devices
+from observe.profiling import profile_note
 from observe.redact import redact_url
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, init_distributed, local_world_size, shutdown
@@ -135,6 +136,8 @@ def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer
         if trainer.rng_note:  # a resume that restarts dropout's random streams
             print(trainer.rng_note, flush=True)
         for note in schedule_notes(cfg, trainer.max_steps):
+            print(note, flush=True)
+        if note := profile_note(cfg.trainer.profile, trainer.step, trainer.max_steps):
             print(note, flush=True)
         if env.device.type == "cpu" and (crowded := cpu_devices(env.world_size, local_world_size(env.world_size))[1]):
             warnings.warn(crowded, stacklevel=1)
