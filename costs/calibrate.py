@@ -25,6 +25,8 @@
   the same alone (the cores share the memory system: 1.016 calibrated on the 2-core machine, 1.02-1.03
   by hand on 256-wide blocks).
 
+Every figure is measured with the threads of one rank of a local launch (worker_threads: torchrun's
+OMP_NUM_THREADS=1 unless the environment sets it), whatever the calling shell's threads.
 The last seven are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
 version. `spawn=False` (a launch under torchrun, whose cores are busy and which holds the lock)
@@ -65,8 +67,31 @@ def cache_path() -> Path:
     return peak_cache_path().with_name("local-hardware.json")
 
 
+def worker_threads() -> int:
+    """The threads of one rank of a local launch: OMP_NUM_THREADS when set, else 1, what torchrun
+    sets for each worker of a multi-process launch (torch/distributed/run.py)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
 def local_figures(precision: str, spawn: bool = True) -> dict:
-    """This machine as a hardware description (costs/hardware.py's YAML keys)."""
+    """This machine as a hardware description (costs/hardware.py's YAML keys), measured with the
+    threads a rank runs with (worker_threads), not this shell's: a plan from a plain shell predicts
+    the torchrun launch."""
+    previous, threads = torch.get_num_threads(), worker_threads()
+    torch.set_num_threads(threads)
+    try:
+        figures = _local_figures(precision, spawn)
+    finally:
+        torch.set_num_threads(previous)
+    figures["source"] += (f", {threads} thread{'s' if threads > 1 else ''} per rank: OMP_NUM_THREADS"
+                          f"{'' if 'OMP_NUM_THREADS' in os.environ else ' unset, as torchrun sets it (1)'}")
+    return figures
+
+
+def _local_figures(precision: str, spawn: bool) -> dict:
     threads = torch.get_num_threads()
     per_node = max(1, len(os.sched_getaffinity(0)) // threads)
     key = machine_fingerprint("local hardware")
