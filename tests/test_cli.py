@@ -104,3 +104,20 @@ def test_plot_axes_show_agreeing_runs_as_agreeing_and_short_series_in_context():
     left, right = ax.get_xlim()
     assert left <= 10 and right >= 200, (left, right)
     assert ax.lines[0].get_marker() == "o"
+
+
+def test_plot_identical_runs_both_show_and_a_constant_memory_series_reads_as_constant():
+    """Two identical runs: each line has its own marker and the later one is smaller, so the first
+    run's val-loss dot is not hidden; a memory series that does not change gets an axis from 0 and
+    its value written in the panel, not a 1%-wide axis that looks like noise."""
+    rows = [{"step": s, "loss": 4.0 - s / 100, "held_params_mb": 3.239} for s in range(10, 110, 10)] + \
+        [{"step": 100, "val_loss": 3.5}]
+    fig, keys = plot.draw([("a", rows), ("b", [dict(r) for r in rows])])
+    first, second = fig.axes[keys.index("val_loss")].lines
+    assert first.get_marker() != second.get_marker() and first.get_markersize() > second.get_markersize()
+    assert first.get_fillstyle() == second.get_fillstyle() == "none"  # the one below shows through
+    ax = fig.axes[keys.index("held_params_mb")]
+    low, high = ax.get_ylim()
+    assert low == 0 and high > 3.239 * 1.2, (low, high)
+    assert [t.get_text() for t in ax.texts] == ["constant: 3.239 MB"]
+
