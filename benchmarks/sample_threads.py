@@ -19,7 +19,6 @@ import sys
 import time
 
 import _repo  # noqa: F401  (the repository on sys.path)
-
 import torch
 
 from launch.local import child_env, multiprocess_lock

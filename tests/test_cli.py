@@ -7,14 +7,17 @@ import ast
 import json
 import math
 import runpy
+import subprocess
 import sys
 
 import matplotlib.image
 import pytest
+import torch
 
 import main as app
 import plot
-from launch.local import REPO, TINY
+import sample
+from launch.local import REPO, TINY, child_env
 
 SCRIPTS = ["main.py", "sample.py", "export.py", "plot.py", *sorted(  # benchmarks/_repo.py is imported, not run
     str(p.relative_to(REPO)) for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))]
@@ -121,3 +124,40 @@ def test_plot_identical_runs_both_show_and_a_constant_memory_series_reads_as_con
     assert low == 0 and high > 3.239 * 1.2, (low, high)
     assert [t.get_text() for t in ax.texts] == ["constant: 3.239 MB"]
 
+
+
+def test_sample_generates_a_small_model_with_one_thread(tmp_path, monkeypatch, capsys):
+    """Generation at batch 1 gains nothing from threads on a model this small and stalls beside a
+    busy core (docs/performance.md#sampling-threads): sample.py sets one thread, unless the user set
+    OMP_NUM_THREADS, which wins."""
+    run = tmp_path / "run"
+    assert app.main(TINY + ["parallel.strategy=none", "trainer.max_steps=1", "trainer.sample_tokens=0",
+                            f"trainer.run_dir={run}"]) == 0
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert sample.main(["--run-dir", str(run), "--tokens", "5"]) == 0
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        assert sample.main(["--run-dir", str(run), "--tokens", "5"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.launch
+def test_a_reader_that_goes_away_ends_main_quietly_with_sigpipes_exit_code(tmp_path):
+    """`python main.py ... | head -1`: no BrokenPipeError traceback, exit 128 + SIGPIPE = 141, as the
+    shell reports for `yes | head -1`."""
+    cmd = [sys.executable, "main.py", *TINY, "parallel.strategy=none", "trainer.max_steps=400", "trainer.log_every=1",
+           "trainer.eval_every=0", f"trainer.run_dir={tmp_path / 'run'}"]
+    with subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as p:
+        first = p.stdout.readline()
+        p.stdout.close()  # what head does after its line
+        err = p.stderr.read()
+        rc = p.wait(timeout=240)
+    assert first.startswith("config: "), first
+    assert rc == 141 and "Traceback" not in err and "BrokenPipe" not in err, (rc, err[-2000:])
