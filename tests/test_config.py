@@ -128,7 +128,7 @@ BAD_INPUTS = {
     "val_path without a .bin": (["data.val_path={root}/val.bin"], "data.val_path only applies when data.path"),
     "val_path not a .bin": (["data.path={root}/train.bin", "data.tokenizer=gpt2", "data.truncate=0",
                              "data.val_path={root}/val.txt"], "data.val_path='"),
-    ".bin with the char tokenizer": (["data.path={root}/train.bin", "data.truncate=0"], "set data.tokenizer=gpt2"),
+    ".bin with the char tokenizer": (["data.path={root}/train.bin", "data.truncate=0", "data.tokenizer=char"], "set data.tokenizer=gpt2"),
     "truncate with a token corpus": (["data.path={root}/train.bin", "data.tokenizer=gpt2"],
                                      "data.truncate counts characters of a text corpus"),
     "val_fraction with a token corpus": (["data.path={root}/train.bin", "data.tokenizer=gpt2", "data.truncate=0",
