@@ -5,8 +5,9 @@ every formula, every refusal and each term of the first row's step time. The mea
 check the formulas are in docs/planner.md and docs/layouts.md, not here: they would go stale."""
 from __future__ import annotations
 
+import os
 import re
-import shutil
+import sys
 import textwrap
 
 from costs.records import LayoutPlan, Plan
@@ -65,11 +66,23 @@ REFUSALS_SHOWN = 6
 
 
 def render(pl: Plan, explain: bool = False, width: int | None = None) -> str:
-    """`width`: the terminal's columns (shutil: $COLUMNS, else the terminal's size; not a terminal and
-    no $COLUMNS: unlimited, so a file or a pipe gets one line per row): the table is split into as
-    many column groups as it takes, each led by the layout's name, and the text lines wrapped."""
-    width = width or shutil.get_terminal_size((10**6, 24)).columns
+    """`width` (default terminal_width()): the table is split into as many column groups as it takes
+    to fit, each led by the layout's name, and the text lines wrapped."""
+    width = width or terminal_width()
     return "\n".join(_fit(line, width) for line in _render(pl, explain, width).split("\n"))
+
+
+def terminal_width() -> int:
+    """$COLUMNS when set, else the width of the terminal sys.stdout writes to; not a terminal (a file,
+    a pipe, a test's capture): unlimited, one line per row."""
+    try:
+        return max(20, int(os.environ["COLUMNS"]))
+    except (KeyError, ValueError):
+        pass
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 10**6
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a StringIO)
+        return 10**6
 
 
 def _fit(line: str, width: int) -> str:
