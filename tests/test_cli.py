@@ -161,3 +161,19 @@ def test_a_reader_that_goes_away_ends_main_quietly_with_sigpipes_exit_code(tmp_p
         rc = p.wait(timeout=240)
     assert first.startswith("config: "), first
     assert rc == 141 and "Traceback" not in err and "BrokenPipe" not in err, (rc, err[-2000:])
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "presets").glob("*.yaml")))
+def test_a_presets_use_line_names_files_a_clone_has_and_its_claim_is_the_readmes(preset):
+    """A preset's `# Use:` command names only files a clone has (a path outside the repository,
+    such as the tests' ../shared, does not exist for a user), and the speedrun's wall-time claim is
+    the README's measured one."""
+    text = (REPO / "presets" / preset).read_text(encoding="utf-8")
+    use = next(line for line in text.splitlines() if line.startswith("# Use: "))
+    for word in use.split()[2:]:
+        path = word.split("=", 1)[-1]
+        if "/" in path and not path.startswith("<"):
+            inside = (REPO / path).resolve().is_relative_to(REPO) and (REPO / path).exists()
+            assert inside, f"{preset}: `{use}` names {path}, which a clone does not have"
+    if preset == "cpu_speedrun.yaml":
+        assert "0.35x" in text and "0.35x" in (REPO / "README.md").read_text(encoding="utf-8")
