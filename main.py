@@ -40,6 +40,11 @@ from launch.stopping import (
     stop_while_loading,
 )
 
+# Kineto (torch.profiler's engine, trainer.profile) prints `USDT: ... profiler_start` and `profiler_stop`
+# on stderr: level USDT (5) is its highest, so only 6 silences it (kineto/ILoggerObserver.h), its errors
+# (4) too. Read once, when torch loads; KINETO_LOG_LEVEL=4 in the environment shows the errors again.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
 if __name__ == "__main__":  # torch loads for seconds: a Ctrl-C meanwhile is one line, not a traceback
     for _sig in STOP_SIGNALS:
         signal.signal(_sig, stop_while_loading)
@@ -48,12 +53,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from checks import load_config
 from config import DEFAULT_CONFIG, UsageError
-from launch.app import run
-from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
+from launch.app import adopt_unset_keys, run
+from launch.errors import (
+    OneLineErrors,
+    bare_key_hint,
+    error_line,
+    exit_code,
+    one_line_warnings,
+    quiet_broken_pipe,
+    reject_dashed_overrides,
+)
 from planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
 from tools.calibrate import measure_local
 from tools.dry_run import dry_run_command
-from weights.pretrained import adopt_model_shape
 
 
 def parse_args(argv):
@@ -85,12 +97,18 @@ def parse_args(argv):
     plan.add_argument("--plan-json", default=None, metavar="PATH", help="also write the plan as JSON to PATH")
     plan.add_argument("--explain", action="store_true", help="with --plan: every formula and its source")
     ap.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
-    return ap.parse_args(argv)
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        hint = bare_key_hint(unknown, list(argv))
+        if hint:
+            raise UsageError(hint)
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def print_plan(args) -> int:
     """--plan: predictions for every layout on --world-size ranks (planner/__init__.py); no process group."""
-    cfg = load_config(args.config, args.overrides, adopt=adopt_model_shape)
+    cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
@@ -117,7 +135,7 @@ def print_plan(args) -> int:
 
 def run_dry(args) -> int:
     """--dry-run: the real code of every rank role of --world-size ranks, beside the plan (tools/dry_run.py)."""
-    cfg = load_config(args.config, args.overrides, adopt=adopt_model_shape)
+    cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
@@ -161,4 +179,4 @@ def main(argv=None, keep_process_group: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_broken_pipe(main))

@@ -23,6 +23,7 @@ from storage.files import atomic_write
 # metric key -> panel title; memory keys (`*_mb`) are added per run set, after these
 PANELS = {"loss": "train loss", "val_loss": "val loss", "lr": "learning rate", "tokens_per_sec": "tokens/s"}
 LINESTYLES = ("-", (0, (5, 3)), (0, (1, 2)), (0, (5, 2, 1, 2)))  # solid, dashed, dotted, dash-dot
+MARKERS = ("o", "s", "^", "D")  # per run, hollow, for series of fewer than 30 points
 COLUMNS, PANEL_W, PANEL_H, DPI = 2, 6.0, 3.2, 100  # inches per panel; the PNG is COLUMNS*PANEL_W*DPI wide
 
 
@@ -102,12 +103,17 @@ def draw(runs: list[tuple[str, list[dict]]]) -> tuple[Figure, list[str]]:
 def _panel(ax, key: str, lines: list[tuple[str, list[int], list[float]]], span: tuple[int, int]) -> None:
     """One metric. Every panel spans the runs' steps (a metric logged once is a dot at its step,
     not a panel of its own around it); values that agree to a relative 1e-3 are drawn on an axis
-    1% wide around them, without an offset ("1e-7+3.2435" makes agreeing runs look far apart)."""
+    1% wide around them (memory: from 0), their value written in the panel, without an offset
+    ("1e-7+3.2435" makes agreeing runs look far apart). Each run has its own dashes and hollow
+    marker, each later run's drawn smaller, so identical runs show as nested rings, not one."""
     values = []
     for i, (label, steps, ys) in enumerate(lines):
         if steps:  # dashes per run: runs with equal values (memory, lr) stay visible on top of each other
-            marker = "o" if len(steps) <= 3 else "." if len(steps) < 30 else None
-            ax.plot(steps, ys, marker=marker, label=label, linestyle=LINESTYLES[i % len(LINESTYLES)])
+            # a hollow marker of its own per run, each later run's smaller: equal points stay visible
+            # as nested rings (one run's val-loss dot hidden under another's looked like a missing run)
+            marker = MARKERS[i % len(MARKERS)] if len(steps) < 30 else None
+            ax.plot(steps, ys, marker=marker, fillstyle="none", markersize=max(3.0, 9.0 - 2.0 * i),
+                    linewidth=max(1.0, 2.5 - 0.5 * i), label=label, linestyle=LINESTYLES[i % len(LINESTYLES)])
             values += ys
     ax.set_title(PANELS.get(key, f"memory: {key}"))
     ax.set_xlabel("step")
@@ -116,8 +122,12 @@ def _panel(ax, key: str, lines: list[tuple[str, list[int], list[float]]], span: 
     low, high = min(values), max(values)
     center = (low + high) / 2
     if high - low <= 1e-3 * abs(center):
+        # a constant series: memory from 0 (a 1%-wide axis made a flat 3.239 MB look like noise),
+        # other metrics 1% wide; either way its value is written in the panel
         half = max(abs(center) * 0.005, 1e-12)
-        ax.set_ylim(center - half, center + half)
+        ax.set_ylim(*((0, max(high * 1.25, 1e-12)) if key.endswith("_mb") else (center - half, center + half)))
+        ax.text(0.5, 0.08, f"constant: {center:.4g}" + (" MB" if key.endswith("_mb") else ""),
+                transform=ax.transAxes, ha="center", alpha=0.7)
     if key.endswith("_mb"):
         ax.set_ylabel("MB (10^6 bytes)")
     ax.grid(True, alpha=0.3)

@@ -122,8 +122,9 @@ def load_corpus(cfg: DataConfig, is_local_leader: bool = True, barrier=lambda: N
             if is_local_leader:
                 into = f", into {fallback_run_dir}" if fallback_run_dir else ""
                 warnings.warn(f"cannot download {shown}{why}; training on the Python standard "
-                              f"library's source text instead{into} (set data.path to a local file to "
-                              f"choose the corpus)", stacklevel=2)
+                              f"library's source text instead{into}. To train on this corpus offline, put "
+                              f"the file at {cached} (its sha256 is checked), or set data.path=FILE to a "
+                              f"local file", stacklevel=2)
             text, source = fallback_corpus(), FALLBACK_SOURCE
         else:
             raise UsageError(f"cannot download {shown} and no cached copy exists; put the file "

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import UsageError
+from config import Config, UsageError
 from corpus.kinds import SIDECAR, token_corpus_kind
 
 FORMAT = "mingpt-parallel tokens"
@@ -232,6 +232,23 @@ def corpus_tokenizer(corpus: TokenCorpus, stored: dict | None) -> dict:
                          f"than this run's (its tokenizer.json, or model.init_from's): its ids would mean other "
                          f"characters; use another trainer.run_dir (or the corpus the run was trained on)")
     return stored
+
+
+def adopt_corpus_tokenizer(cfg: Config, explicit: set[str]) -> None:
+    """data.tokenizer from a token corpus, whose ids fix it, when the user did not set the key (on the
+    command line or in a --config file): prepare.py's corpus.json names it, a nanoGPT .bin holds GPT-2
+    ids. load_config's `adopt`, as model.init_from's shape is adopted (weights/pretrained.py); the
+    corpus comes after init_from, so a model of another vocabulary is refused when the corpus opens."""
+    kind = token_corpus_kind(cfg.data.path)
+    if "data.tokenizer" in explicit or not kind:
+        return
+    if kind == "bin":
+        cfg.data.tokenizer = "gpt2"
+        return
+    path = Path(cfg.data.path).expanduser()
+    sidecar = path if path.name == SIDECAR else path / SIDECAR
+    if sidecar.is_file() and read_record(sidecar).tokenizer.get("kind") in ("char", "gpt2"):
+        cfg.data.tokenizer = read_record(sidecar).tokenizer["kind"]
 
 
 def open_token_corpus(path_text: str, tokenizer_kind: str, val_path: str = "") -> TokenCorpus:

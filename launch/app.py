@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from checks import load_config
 from config import Config, UsageError, dump_yaml, redact_url
+from corpus.token_files import adopt_corpus_tokenizer
 from corpus.tokenizers import TOKENIZER_FILE, save_tokenizer
 from launch.build import build_parts, fallback_corpus
 from launch.runlock import lock_run_dir
@@ -27,6 +28,7 @@ from launch.sampling import SAMPLE_FILE, write_sample
 from launch.schedule import schedule_change, schedule_notes
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
 from model import GPT, GPTConfig
+from observe.profiling import profile_note
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, cpu_devices, init_distributed, local_world_size, shutdown
 from planner.auto import choose_layout
@@ -40,11 +42,18 @@ from weights.pretrained import adopt_model_shape
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, --plan-json and --explain"
 
 
+def adopt_unset_keys(cfg: Config, explicit: set[str]) -> None:
+    """load_config's `adopt` for every command: the keys the user did not set take the values of
+    what names them (model.size or model.init_from: the shape; a token corpus: the tokenizer)."""
+    adopt_model_shape(cfg, explicit)
+    adopt_corpus_tokenizer(cfg, explicit)
+
+
 def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
     """One launch. `keep_process_group`: leave the process group up at the end, for a caller that
     runs several launches in one torchrun job (the tests' workers)."""
     cfg = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                      adopt=adopt_model_shape)
+                      adopt=adopt_unset_keys)
     if any(v is not None for v in (args.world_size, args.device_memory, args.reserve_memory, args.hardware)) \
             or args.plan_json or args.explain:
         raise UsageError(f"{PLAN_ONLY_FLAGS} only apply with --plan; add --plan")
@@ -124,6 +133,8 @@ def _start(args: argparse.Namespace, cfg: Config, env: DistEnv, trainer: Trainer
         if trainer.rng_note:  # a resume that restarts dropout's random streams
             print(trainer.rng_note, flush=True)
         for note in schedule_notes(cfg, trainer.max_steps):
+            print(note, flush=True)
+        if note := profile_note(cfg.trainer.profile, trainer.step, trainer.max_steps):
             print(note, flush=True)
         if env.device.type == "cpu" and (crowded := cpu_devices(env.world_size, local_world_size(env.world_size))[1]):
             warnings.warn(crowded, stacklevel=1)
@@ -221,6 +232,8 @@ def write_outputs(outputs: dict, final_snapshot: Path | None, run_dir: Path) -> 
     for name, write in outputs.items():
         try:
             write()
+        except BrokenPipeError:  # stdout's reader went away (`| head`): main.py ends quietly, not a write failure
+            raise
         except Exception as e:  # the run is complete: nothing here may turn it into a failed one
             failed[name] = e
     if not failed:

@@ -121,7 +121,8 @@ def assemble(cfg: Config, data: TokenDataset, tok, strategy: Strategy, run_dir: 
         model_cost=cost, max_steps=max_steps, optimizer=strategy.build_optimizer(),
         lr_factor=functools.partial(lr_factor, cfg=cfg, max_steps=max_steps), scaler=strategy.make_grad_scaler(),
         snapshots=snapshots, peak=peak, peak_label=_shared_peak_label(peak, strategy),
-        profiler=StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device), guards=guards, **extra)
+        profiler=StepProfiler(cfg.trainer.profile, run_dir, env.rank, strategy.device, max_steps), guards=guards,
+        **extra)
 
 
 def _shared_peak_label(peak: Peak, strategy: Strategy) -> str:

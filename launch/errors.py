@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import sys
 import time
+import typing
 import warnings
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
@@ -101,3 +104,36 @@ def reject_dashed_overrides(argv: list[str]) -> None:
                 value = argv[i + 1]  # `--trainer.max_steps 20`
             raise UsageError(f"'{arg}' is not an option: config overrides are written without leading "
                              f"dashes, as {name}={value or '<value>'}")
+
+
+def bare_key_hint(unknown: list[str], argv: list[str]) -> str | None:
+    """`--max_steps=20` (nanoGPT's configurator style: a key without its section) among the
+    arguments argparse did not recognise: the line naming the override it stands for, or None."""
+    keys, sections = {}, typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        for field in dataclasses.fields(sections[section.name]):
+            keys.setdefault(field.name, []).append(f"{section.name}.{field.name}")
+    for arg in unknown:
+        name, eq, value = arg.lstrip("-").partition("=")
+        dotted = keys.get(name.replace("-", "_"))
+        if not arg.startswith("-") or not dotted:
+            continue
+        if not eq and arg in argv and argv.index(arg) + 1 < len(argv):
+            value = argv[argv.index(arg) + 1]  # `--max_steps 20`
+        spelled = " or ".join(f"{key}={value or '<value>'}" for key in dotted)
+        return (f"'{arg}' is not an option: config overrides are written section.key=value, without "
+                f"dashes, as {spelled}")
+    return None
+
+
+def quiet_broken_pipe(command) -> int:
+    """command()'s exit code; when the reader of stdout went away (`python main.py ... | head -1`),
+    no traceback and the exit code of a process that SIGPIPE ended, 128 + 13, as the shell reports
+    `yes | head -1`'s. stdout is pointed at /dev/null so that Python's flush at exit does not fail
+    again (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        return command()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE

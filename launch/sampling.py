@@ -1,6 +1,7 @@
 """Text from a model: the sample a finished run writes (sample.txt) and what sample.py prints."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -10,6 +11,19 @@ from model import GPT
 from storage.files import atomic_write_text
 
 SAMPLE_FILE = "sample.txt"
+# Generation runs one token at a time at batch 1: small matmuls whose OpenMP barriers stall when a
+# thread shares a core with another process. benchmarks/sample_threads.py on the 2-core machine:
+# 0.8M-85M parameters, 2 threads were at most 6% faster alone and 3-13x slower beside one busy core
+# (docs/performance.md#sampling-threads). Above this size, unmeasured, torch's default stays.
+ONE_THREAD_UP_TO = 100_000_000  # parameters
+
+
+def sampling_threads(num_params: int) -> int | None:
+    """The thread count sample.py generates with: 1 up to ONE_THREAD_UP_TO parameters, else None
+    (torch's default); None too when the user set OMP_NUM_THREADS, which then wins."""
+    if "OMP_NUM_THREADS" in os.environ or num_params > ONE_THREAD_UP_TO:
+        return None
+    return 1
 
 
 def default_prompt(tok) -> str:

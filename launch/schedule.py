@@ -39,11 +39,16 @@ def total_steps(cfg: Config, data: TokenDataset) -> int:
 
 def schedule_notes(cfg: Config, max_steps: int) -> list[str]:
     """`note:` lines for an LR schedule that never does what its keys say within this run: a
-    warmup longer than the run never reaches optimizer.lr; a cosine longer than the run never
+    warmup longer than the run never reaches optimizer.lr (one as long as the run reaches it at the
+    last step, and never decays); a cosine longer than the run never
     reaches optimizer.min_lr (e.g. trainer.max_epochs on a small corpus gives fewer steps)."""
     o, notes = cfg.optimizer, []
     last = lr_at(max_steps - 1, cfg, max_steps)
-    if o.warmup_steps >= max_steps:
+    if o.warmup_steps == max_steps:  # the last step (max_steps - 1) runs at (max_steps / warmup) x lr = lr
+        notes.append(f"note: optimizer.warmup_steps={o.warmup_steps} is the whole run ({max_steps} steps): the LR "
+                     f"reaches optimizer.lr={o.lr:g} only at the last step and never decays; lower "
+                     f"optimizer.warmup_steps (e.g. {max(1, max_steps // 10)})")
+    elif o.warmup_steps > max_steps:
         notes.append(f"note: optimizer.warmup_steps={o.warmup_steps} is not shorter than the run ({max_steps} steps): "
                      f"the LR ends at {last:.3e} and never reaches optimizer.lr={o.lr:g}; lower "
                      f"optimizer.warmup_steps (e.g. {max(1, max_steps // 10)})")

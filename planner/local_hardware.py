@@ -25,9 +25,32 @@ def cache_path() -> Path:
     return peak_cache_path().with_name("local-hardware.json")
 
 
+def worker_threads() -> int:
+    """The threads of one rank of a local launch: OMP_NUM_THREADS when set, else 1, what torchrun
+    sets for each worker of a multi-process launch (torch/distributed/run.py)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
 def local_figures(precision: str, measure: Callable[[], dict] | None = None) -> dict:
-    """This machine as a hardware description (planner/hardware.py's YAML keys). `measure`
-    (tools/calibrate.py's measure_local) runs where nothing is cached; None: the UNCALIBRATED figures."""
+    """This machine as a hardware description (planner/hardware.py's YAML keys), for the threads a
+    rank runs with (worker_threads), not this shell's: a plan from a plain shell predicts the
+    torchrun launch. `measure` (tools/calibrate.py's measure_local) runs where nothing is cached;
+    None: the UNCALIBRATED figures."""
+    previous, threads = torch.get_num_threads(), worker_threads()
+    torch.set_num_threads(threads)
+    try:
+        figures = _local_figures(precision, measure)
+    finally:
+        torch.set_num_threads(previous)
+    figures["source"] += (f", {threads} thread{'s' if threads > 1 else ''} per rank: OMP_NUM_THREADS"
+                          f"{'' if 'OMP_NUM_THREADS' in os.environ else ' unset, as torchrun sets it (1)'}")
+    return figures
+
+
+def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
     threads = torch.get_num_threads()
     per_node = max(1, len(os.sched_getaffinity(0)) // threads)
     key = machine_fingerprint("local hardware")

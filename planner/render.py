@@ -5,7 +5,10 @@ every formula, every refusal and each term of the first row's step time. The mea
 check the formulas are in docs/planner.md and docs/layouts.md, not here: they would go stale."""
 from __future__ import annotations
 
+import os
 import re
+import sys
+import textwrap
 
 from planner.records import LayoutPlan, Plan
 from planner.units import fmt_bytes
@@ -62,12 +65,40 @@ MOVED_COLUMNS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp"
 REFUSALS_SHOWN = 6
 
 
-def render(pl: Plan, explain: bool = False) -> str:
+def render(pl: Plan, explain: bool = False, width: int | None = None) -> str:
+    """`width` (default terminal_width()): the table is split into as many column groups as it takes
+    to fit, each led by the layout's name, and the text lines wrapped."""
+    width = width or terminal_width()
+    return "\n".join(_fit(line, width) for line in _render(pl, explain, width).split("\n"))
+
+
+def terminal_width() -> int:
+    """$COLUMNS when set, else the width of the terminal sys.stdout writes to; not a terminal (a file,
+    a pipe, a test's capture): unlimited, one line per row."""
+    try:
+        return max(20, int(os.environ["COLUMNS"]))
+    except (KeyError, ValueError):
+        pass
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 10**6
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a StringIO)
+        return 10**6
+
+
+def _fit(line: str, width: int) -> str:
+    """A text line wrapped at `width`, its continuation indented as it was plus two spaces."""
+    if len(line) <= width:
+        return line
+    indent = " " * (len(line) - len(line.lstrip()))
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent=indent + "  ", break_on_hyphens=False))
+
+
+def _render(pl: Plan, explain: bool, width: int) -> str:
     lines = [_model_line(pl)]
     if pl.configured_error:
         lines.append(f"configured layout refused on {pl.world_size} ranks: {pl.configured_error}")
     if pl.layouts:
-        lines += _table(HEADER, [_row(lp) for lp in pl.layouts])
+        lines += _table(HEADER, [_row(lp) for lp in pl.layouts], width)
     else:
         lines.append(f"no layout runs on {pl.world_size} ranks; the reasons, the one that blocks the most layouts first:")
     if not pl.layouts or explain:
@@ -156,11 +187,23 @@ def fmt_seconds(s: float) -> str:
     return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Columns as wide as their widest cell; the marker and the layout name left-aligned, numbers right."""
+def _table(header: list[str], rows: list[list[str]], width: int = 10**6) -> list[str]:
+    """Columns as wide as their widest cell; the marker and the layout name left-aligned, numbers right.
+    Wider than `width`: in groups of columns that fit, each led by the marker and the name, a blank
+    line between groups (the marker and name alone may still exceed a very narrow width)."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
-    for r in rows:
-        lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    groups, lead = [[]], widths[0] + 2 + widths[1]
+    for i in range(2, len(header)):
+        used = lead + sum(2 + widths[j] for j in groups[-1])
+        if groups[-1] and used + 2 + widths[i] > width:
+            groups.append([])
+        groups[-1].append(i)
+    lines = []
+    for group in groups:
+        columns = [0, 1, *group]
+        lines += [""] if lines else []
+        lines.append("  ".join(header[i].ljust(widths[i]) for i in columns).rstrip())
+        for r in rows:
+            lines.append("  ".join(str(r[i]).ljust(widths[i]) if i < 2 else str(r[i]).rjust(widths[i])
+                                   for i in columns).rstrip())
     return lines

@@ -8,13 +8,15 @@ machine-wide lock, the tiny config, the device switch; shared with benchmarks/) 
 - training in this process through main.main (`app_in_process`);
 - reading what a run folder holds: metrics rows, logged steps, model.pt's tensors;
 - the skeleton of every torchrun worker script (tests/*_worker.py): `run_worker`;
-- a launch the fault tests watch and signal while it runs: `StreamedLaunch`.
+- a launch the fault tests watch and signal while it runs: `StreamedLaunch`;
+- a clean checkout of the repository (its tracked files) for the README's commands: `clean_checkout`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -174,3 +176,14 @@ class StreamedLaunch:
             self._reader.join(timeout=10)
         finally:
             self._held.close()  # the lock
+
+
+def clean_checkout(dest: Path) -> Path:
+    """A copy of the repository's tracked files at `dest`, as a fresh clone has them (no runs/, no
+    caches): where the README's commands run, so their outputs land there. Starts git."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
+    for name in filter(None, files.stdout.split("\0")):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, dest / name)
+    return dest
+

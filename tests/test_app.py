@@ -219,3 +219,17 @@ def test_a_schedule_the_run_never_completes_is_noted_at_start_up(overrides, note
     if "warmup" in note:
         rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
         assert max(r["lr"] for r in rows if "lr" in r) < 1e-3
+
+
+def test_a_warmup_as_long_as_the_run_reaches_the_lr_at_the_last_step_and_the_note_says_so(tmp_path, capsys):
+    """At the boundary (warmup_steps = max_steps) the last step runs at optimizer.lr: the note must not
+    say it is never reached (metrics.jsonl shows it), but that the run never decays."""
+    run = tmp_path / "run"
+    assert app.main(TINY + ["parallel.strategy=none", "trainer.sample_tokens=0", "optimizer.lr=1e-3",
+                            "trainer.max_steps=4", "optimizer.warmup_steps=4", "trainer.log_every=1",
+                            f"trainer.run_dir={run}"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("note:")]
+    assert lines == ["note: optimizer.warmup_steps=4 is the whole run (4 steps): the LR reaches optimizer.lr=0.001 "
+                     "only at the last step and never decays; lower optimizer.warmup_steps (e.g. 1)"], lines
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if r.get("step") == 4 and "lr" in r] == [pytest.approx(1e-3)], rows

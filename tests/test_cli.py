@@ -7,14 +7,17 @@ import ast
 import json
 import math
 import runpy
+import subprocess
 import sys
 
 import matplotlib.image
 import pytest
+import torch
 
 import main as app
 import plot
-from testing.local import REPO, TINY
+import sample
+from testing.local import REPO, TINY, child_env
 
 SCRIPTS = ["main.py", "sample.py", "export.py", "plot.py", *sorted(  # benchmarks/_repo.py is imported, not run
     str(p.relative_to(REPO)) for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))]
@@ -104,3 +107,73 @@ def test_plot_axes_show_agreeing_runs_as_agreeing_and_short_series_in_context():
     left, right = ax.get_xlim()
     assert left <= 10 and right >= 200, (left, right)
     assert ax.lines[0].get_marker() == "o"
+
+
+def test_plot_identical_runs_both_show_and_a_constant_memory_series_reads_as_constant():
+    """Two identical runs: each line has its own marker and the later one is smaller, so the first
+    run's val-loss dot is not hidden; a memory series that does not change gets an axis from 0 and
+    its value written in the panel, not a 1%-wide axis that looks like noise."""
+    rows = [{"step": s, "loss": 4.0 - s / 100, "held_params_mb": 3.239} for s in range(10, 110, 10)] + \
+        [{"step": 100, "val_loss": 3.5}]
+    fig, keys = plot.draw([("a", rows), ("b", [dict(r) for r in rows])])
+    first, second = fig.axes[keys.index("val_loss")].lines
+    assert first.get_marker() != second.get_marker() and first.get_markersize() > second.get_markersize()
+    assert first.get_fillstyle() == second.get_fillstyle() == "none"  # the one below shows through
+    ax = fig.axes[keys.index("held_params_mb")]
+    low, high = ax.get_ylim()
+    assert low == 0 and high > 3.239 * 1.2, (low, high)
+    assert [t.get_text() for t in ax.texts] == ["constant: 3.239 MB"]
+
+
+
+def test_sample_generates_a_small_model_with_one_thread(tmp_path, monkeypatch, capsys):
+    """Generation at batch 1 gains nothing from threads on a model this small and stalls beside a
+    busy core (docs/performance.md#sampling-threads): sample.py sets one thread, unless the user set
+    OMP_NUM_THREADS, which wins."""
+    run = tmp_path / "run"
+    assert app.main(TINY + ["parallel.strategy=none", "trainer.max_steps=1", "trainer.sample_tokens=0",
+                            f"trainer.run_dir={run}"]) == 0
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert sample.main(["--run-dir", str(run), "--tokens", "5"]) == 0
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        assert sample.main(["--run-dir", str(run), "--tokens", "5"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.launch
+def test_a_reader_that_goes_away_ends_main_quietly_with_sigpipes_exit_code(tmp_path):
+    """`python main.py ... | head -1`: no BrokenPipeError traceback, exit 128 + SIGPIPE = 141, as the
+    shell reports for `yes | head -1`."""
+    cmd = [sys.executable, "main.py", *TINY, "parallel.strategy=none", "trainer.max_steps=400", "trainer.log_every=1",
+           "trainer.eval_every=0", f"trainer.run_dir={tmp_path / 'run'}"]
+    with subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as p:
+        first = p.stdout.readline()
+        p.stdout.close()  # what head does after its line
+        err = p.stderr.read()
+        rc = p.wait(timeout=240)
+    assert first.startswith("config: "), first
+    assert rc == 141 and "Traceback" not in err and "BrokenPipe" not in err, (rc, err[-2000:])
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "presets").glob("*.yaml")))
+def test_a_presets_use_line_names_files_a_clone_has_and_its_claim_is_the_readmes(preset):
+    """A preset's `# Use:` command names only files a clone has (a path outside the repository,
+    such as the tests' ../shared, does not exist for a user), and the speedrun's wall-time claim is
+    the README's measured one."""
+    text = (REPO / "presets" / preset).read_text(encoding="utf-8")
+    use = next(line for line in text.splitlines() if line.startswith("# Use: "))
+    for word in use.split()[2:]:
+        path = word.split("=", 1)[-1]
+        if "/" in path and not path.startswith("<"):
+            inside = (REPO / path).resolve().is_relative_to(REPO) and (REPO / path).exists()
+            assert inside, f"{preset}: `{use}` names {path}, which a clone does not have"
+    if preset == "cpu_speedrun.yaml":
+        assert "0.35x" in text and "0.35x" in (REPO / "README.md").read_text(encoding="utf-8")

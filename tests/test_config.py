@@ -128,7 +128,7 @@ BAD_INPUTS = {
     "val_path without a .bin": (["data.val_path={root}/val.bin"], "data.val_path only applies when data.path"),
     "val_path not a .bin": (["data.path={root}/train.bin", "data.tokenizer=gpt2", "data.truncate=0",
                              "data.val_path={root}/val.txt"], "data.val_path='"),
-    ".bin with the char tokenizer": (["data.path={root}/train.bin", "data.truncate=0"], "set data.tokenizer=gpt2"),
+    ".bin with the char tokenizer": (["data.path={root}/train.bin", "data.truncate=0", "data.tokenizer=char"], "set data.tokenizer=gpt2"),
     "truncate with a token corpus": (["data.path={root}/train.bin", "data.tokenizer=gpt2"],
                                      "data.truncate counts characters of a text corpus"),
     "val_fraction with a token corpus": (["data.path={root}/train.bin", "data.tokenizer=gpt2", "data.truncate=0",
@@ -167,6 +167,9 @@ BAD_INPUTS = {
                                  "gpu_8x8x512.yaml sets trainer.device: cuda (a GPU config) but torch"),
     "--dotted override": (["--trainer.max_steps=20"], "written without leading dashes, as trainer.max_steps=20"),
     "--dotted override, value apart": (["--trainer.max_steps", "20"], "dashes, as trainer.max_steps=20"),
+    "nanoGPT's --key=value": (["--max_steps=20"], "config overrides are written section.key=value, without "
+                                                  "dashes, as trainer.max_steps=20"),
+    "nanoGPT's --key value": (["--max-steps", "20"], "without dashes, as trainer.max_steps=20"),
     "empty run_dir": (["trainer.run_dir="], "trainer.run_dir is empty"),
     "compile": (["trainer.compile=2"], "must be true or false"),
     "lr": (["optimizer.lr=0"], "optimizer.lr must be > 0"),

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import main as app
 import sample
-from config import TrainerConfig
+from config import DataConfig, TrainerConfig
+from corpus.text import corpus_cache_path
+from testing.local import CORPUS, TINY
 from test_data import closed_port
 from testing.local import CORPUS, TINY
 
@@ -23,6 +25,9 @@ def test_offline_fallback_trains_into_its_own_default_run_folder(tmp_path, monke
     assert app.main(args) == 0
     warned = [str(w.message) for w in recwarn if "cannot download" in str(w.message)]
     assert len(warned) == 1 and "runs/python_stdlib" in warned[0], warned
+    # it names the file that makes the corpus work offline, and the other way out
+    cached = corpus_cache_path(DataConfig(path=unreachable, cache_dir=str(tmp_path / "cache")))
+    assert f"put the file at {cached}" in warned[0] and "data.path=FILE" in warned[0], warned
     assert (tmp_path / "runs" / "python_stdlib" / "model.pt").is_file()
     assert not (tmp_path / "runs" / "shakespeare_char").exists()
     assert "python-stdlib-fallback" in capsys.readouterr().out

@@ -14,10 +14,12 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 import main as app
 import planner
 from checks import load_config
+from planner import local_hardware
 from planner.auto import resolved_config
 from planner.hardware import Link, load_hardware
 from planner.timing import group_link
@@ -292,3 +294,43 @@ def test_tensor_parallel_alternatives_take_the_faster_head_and_auto_launches_it(
     slower = planner.plan_layout(replicated, planner.gpt_config(replicated, 50257), planner.check_layout(replicated, 64),
                                  False, None, load_hardware("h100-sxm"))
     assert lp.time.step_s < slower.time.step_s
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_plan_fits_the_terminal_width(tmp_path, capsys, monkeypatch, columns):
+    """$COLUMNS (a terminal's width): every line of --plan fits, the table split into column groups
+    that each repeat the layout's name, every layout in each group; no $COLUMNS and no terminal (a
+    file or a pipe): one line per row."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    args = ["--plan", "--world-size", "16", "--hardware", "a100-80gb", *XL, f"trainer.run_dir={tmp_path}"]
+    assert app.main(args) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= columns, out
+    headers = [line for line in out.splitlines() if line.split()[:1] == ["layout"]]
+    assert len(headers) >= 2 and "MFU" in headers[-1] and "params" in headers[0], headers
+    monkeypatch.delenv("COLUMNS")
+    assert app.main(args) == 0
+    wide = capsys.readouterr().out
+    assert sum(line.split()[:1] == ["layout"] for line in wide.splitlines()) == 1
+    assert any(len(line) > 200 for line in wide.splitlines())
+
+
+def test_local_hardware_is_calibrated_with_a_ranks_threads_not_the_shells(monkeypatch):
+    """torchrun runs each worker of a local launch with OMP_NUM_THREADS=1: --hardware local measures
+    with that many threads whatever the shell's, says so, and leaves the caller's threads as they were."""
+    seen = []
+    monkeypatch.setattr(local_hardware, "cpu_peak", lambda precision: (seen.append(torch.get_num_threads()) or 1e9, True))
+    monkeypatch.setattr(local_hardware, "_read", lambda path: {})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        figures = local_hardware.local_figures("fp32")
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+        assert "1 thread per rank: OMP_NUM_THREADS unset, as torchrun sets it (1)" in figures["source"]
+        seen.clear()
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        figures = local_hardware.local_figures("fp32")
+        assert set(seen) == {2} and "2 threads per rank: OMP_NUM_THREADS" in figures["source"]
+    finally:
+        torch.set_num_threads(before)

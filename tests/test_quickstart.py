@@ -16,6 +16,7 @@ import pytest
 
 from config import DataConfig
 from corpus.text import corpus_cache_path
+from harness import clean_checkout
 from testing.local import CORPUS, REPO, TORCHRUN, child_env, multiprocess_lock
 
 pytestmark = pytest.mark.launch
@@ -34,11 +35,7 @@ def test_quickstart_commands_work_in_order(tmp_path):
     commands = quickstart_commands()
     assert len(commands) <= 15 and commands[0].startswith("python3 -m venv") and \
         commands[1].startswith("pip install"), commands
-    work = tmp_path / "clone"  # a copy of the tracked files: runs/ and compare.png land there
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
-    for name in files.stdout.split():
-        (work / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, work / name)
+    work = clean_checkout(tmp_path / "clone")  # a copy of the tracked files: runs/ and compare.png land there
     home = tmp_path / "home"
     cached = corpus_cache_path(DataConfig(cache_dir=str(home / ".cache" / "mingpt-parallel")))
     cached.parent.mkdir(parents=True)

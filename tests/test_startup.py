@@ -77,4 +77,8 @@ def test_layout_error_under_torchrun_is_the_last_line_and_in_the_summary(tmp_pat
     root = r.stderr[r.stderr.index("Root Cause"):]
     assert "rank      : 0 " in root and f"traceback : {line}\n" in root, r.stderr[-3000:]
     assert r.stderr.count(line) == 2 and "To enable traceback" not in r.stderr, r.stderr[-3000:]
+    # what the README says: the summary's copy is among the last lines, and `grep '^error:'` on
+    # torchrun's stderr finds the one line
+    assert any(s.endswith(f"traceback : {line}") for s in err[-8:]), err[-12:]
+    assert [s for s in err if s.startswith("error:")] == [line]
     assert not run.exists()

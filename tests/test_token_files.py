@@ -338,3 +338,24 @@ def test_the_pool_forks_only_a_process_without_other_threads():
     finally:
         stop.set()
         other.join()
+
+
+def test_a_token_corpus_lends_its_tokenizer_when_data_tokenizer_is_not_set(corpus, tmp_path, capsys):
+    """prepare.py's corpus.json names the tokenizer and a nanoGPT .bin holds GPT-2 ids: without
+    data.tokenizer the run takes the corpus's (as model.init_from lends its shape); set, it is the
+    user's, and a mismatch is still refused."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(corpus.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    assert prepare.main([str(tmp_path / "in"), "--tokenizer", "gpt2", "--out", str(tmp_path / "ts_gpt2"),
+                         "--workers", "1"]) == 0
+    for name in ("train.bin", "val.bin"):
+        np.random.default_rng(0).integers(0, GPT2_VOCAB, 20_000).astype(np.uint16).tofile(tmp_path / name)
+    unset = [o for o in TINY if not o.startswith("data.")] + ["trainer.max_steps=1", "trainer.sample_tokens=0"]
+    for path, run in ((tmp_path / "ts_gpt2", "folder"), (tmp_path / "train.bin", "bin")):
+        capsys.readouterr()
+        assert app.main(unset + [f"data.path={path}", f"trainer.run_dir={tmp_path / run}"]) == 0, capsys.readouterr().err
+        assert "tokenizer: gpt2" in (tmp_path / run / "config.yaml").read_text(), run
+        assert "vocab 50257 (gpt2)" in capsys.readouterr().out
+    assert app.main(unset + [f"data.path={tmp_path / 'ts_gpt2'}", "data.tokenizer=char",
+                             f"trainer.run_dir={tmp_path / 'set'}"]) == 2
+    assert "was prepared with --tokenizer gpt2 but data.tokenizer=char" in capsys.readouterr().err

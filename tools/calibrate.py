@@ -25,7 +25,11 @@
   the same alone (the cores share the memory system: 1.016 calibrated on the 2-core machine, 1.02-1.03
   by hand on 256-wide blocks).
 
-The last seven are cached in `local-hardware.json` beside the CPU peak cache
+Every figure is measured with the threads of one rank of a local launch (worker_threads: torchrun's
+OMP_NUM_THREADS=1 unless the environment sets it), whatever the calling shell's threads.
+Every figure is measured with the threads of one rank of a local launch (planner/local_hardware.py
+worker_threads: torchrun's OMP_NUM_THREADS=1 unless the environment sets it), whatever the calling
+shell's threads. The last seven are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
 version: planner/local_hardware.py reads them, and calls `measure_local` only where its caller
 passes it (`python main.py --plan`; a launch never measures).
