@@ -34,9 +34,9 @@ from harness import metric_rows, model_tensors
 from launch.local import REPO, TINY, child_env, multiprocess_lock, worker_pids
 from launch.multinode import (
     LAUNCH_TIMEOUT_S,
-    free_port,
     kill_tree,
     lose_node_after_snapshot,
+    reserved_port,
     two_nodes,
     wait_all,
     wait_for,
@@ -182,6 +182,9 @@ def sbatch(tmp: Path, run: Path, env: dict, usr1_at_step: int | None = None) -> 
                 deadline = time.time() + 120
                 while not line.search(log.read_text()) and proc.poll() is None and time.time() < deadline:
                     time.sleep(0.02)
+                # the signal only once the step it waits for was logged (else the test would check
+                # a stop at some other moment, or none)
+                assert line.search(log.read_text()), f"never saw step {usr1_at_step}:\n" + log.read_text()[-6000:]
                 proc.send_signal(signal.SIGUSR1)
             rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
         finally:
@@ -197,10 +200,15 @@ def test_slurm_script_trains_on_two_nodes_requeues_at_time_limit_and_resumes(two
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL.replace("@LOG@", str(requeues)))):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = child_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_NNODES="2",
-                    SLURM_JOB_NODELIST="node[01-02]", SLURM_SUBMIT_DIR=str(REPO), RUN_DIR=str(run),
-                    RDZV_PORT=str(free_port()), PYTHON=sys.executable)
+    with reserved_port() as port:  # held until both jobs are done
+        env = child_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_NNODES="2",
+                        SLURM_JOB_NODELIST="node[01-02]", SLURM_SUBMIT_DIR=str(REPO), RUN_DIR=str(run),
+                        RDZV_PORT=str(port), PYTHON=sys.executable)
+        slurm_stop_requeue_and_resume(tmp_path, run, requeues, env, two_node_run)
 
+
+def slurm_stop_requeue_and_resume(tmp_path: Path, run: Path, requeues: Path, env: dict, two_node_run: Path) -> None:
+    """The body of the test above, under its reserved rendezvous port."""
     # the time-limit warning: every worker stops at one step and saves it; the job requeues itself
     rc, out = sbatch(tmp_path, run, env, usr1_at_step=3)
     assert rc == 0, out[-6000:]
