@@ -13,6 +13,7 @@
 - bad input: one line, exit code 2.
 Launches: one 2-process + one 4-process tests/dp_worker.py, one 2-process tests/app_worker.py,
 one single-process `python main.py parallel.strategy=dp`; everything else runs in this process.
+nn.DataParallel itself (2+ GPUs) runs in no CPU test: on the CPU, strategy=dp is plain training.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import main as app
 from config import UsageError, load_config
 from costs.parity import FP16_SCALE, MIN_STEPS, PARAM_ATOL, assert_parity, load_case, parity_errors, run_steps
 from launch.local import TINY, python, torchrun
+from parallel.dp import DataParallelStrategy
+from parallel.env import DistEnv
 from parallel.layout import Layout
 from parallel.strategy import Strategy
 
@@ -163,7 +166,16 @@ def test_fsdp_mixed_precision_trains_close_to_fp32(references, two):
     assert got["losses"][-1] < got["losses"][0]
 
 
-def test_dp_single_process_parity(references, tmp_path):
+def test_dp_on_fewer_than_two_gpus_is_plain_training_and_says_so(references, tmp_path):
+    """What this proves is the fallback, not nn.DataParallel: with fewer than 2 GPUs (every CPU run)
+    parallel.strategy=dp leaves the model unwrapped, says so, and trains as one process does. Whether
+    nn.DataParallel over 2+ GPUs matches one process is unproven until a multi-GPU check runs the
+    suite on CUDA (docs/correctness.md)."""
+    strategy = DataParallelStrategy(load_config(None, ["parallel.strategy=dp"]), DistEnv())
+    model = torch.nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match=r"parallel.strategy=dp found 0 GPU\(s\): training as one process"):
+        assert strategy.wrap_data_parallel(model) is model
+    assert strategy.num_devices == 1 and "plain one-process training" in strategy.describe_dp()
     got = run_steps(["parallel.strategy=dp"], STEPS, tmp_path)
     assert_parity(references["fp32"], got, "dp (one process, no GPU)")
 
