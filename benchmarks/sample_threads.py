@@ -21,8 +21,8 @@ import time
 import _repo  # noqa: F401  (the repository on sys.path)
 import torch
 
-from testing.local import child_env, multiprocess_lock
 from model import GPT, GPTConfig
+from testing.local import child_env, multiprocess_lock
 
 # (layers, heads, width, block): the default model (0.8M parameters), a 10M one, GPT-2 small's body
 SHAPES = [(4, 4, 128, 128), (6, 6, 384, 256), (12, 12, 768, 256)]

@@ -23,10 +23,16 @@ RDZV_CONF = "join_timeout=90,last_call_timeout=6,keep_alive_interval=1,keep_aliv
 LAUNCH_TIMEOUT_S = 240  # a whole two-node job, start-up and restarts included
 
 
-def free_port() -> int:
+@contextmanager
+def reserved_port():
+    """A free port of 127.0.0.1, held until the block ends: bound (SO_REUSEADDR, not listening), so no
+    other bind of this machine is given it, while the rendezvous store binds it too (TCPStore's
+    listening socket sets SO_REUSEADDR; Linux lets both bind while neither of the other listens).
+    A port found free and released at once could be taken before torchrun binds it."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:
@@ -78,10 +84,10 @@ def two_nodes(logs: Path, args: list[str], nnodes: str = "2", max_restarts: int 
     B also moves rank 0 and the lock to the other node. (Ordered by the agents' pids otherwise,
     which wrap around.) On cuda (MINGPT_TEST_DEVICE, testing/local.py) each node sees a GPU of its own,
     as separate machines would: B GPU 0, A GPU 1."""
-    port, job = free_port(), f"job{os.getpid()}-{time.monotonic_ns()}"
+    job = f"job{os.getpid()}-{time.monotonic_ns()}"
     env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # the README's multi-node setting
     nodes = []
-    with multiprocess_lock():
+    with multiprocess_lock(), reserved_port() as port:
         try:
             for name, host, addr, gpu in (("A", "true", "127.0.0.2", "1"), ("B", "false", "127.0.0.1", "0")):
                 cmd = torchrun_argv(1, ["main.py", *args], standalone=False, extra_torchrun=[

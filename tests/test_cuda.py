@@ -116,9 +116,11 @@ def test_dataparallel_replicas_compute_in_the_runs_autocast_dtype(monkeypatch):
     cfg = load_config(None, ["trainer.precision=fp16", "parallel.strategy=dp"])
     strategy = DataParallelStrategy(cfg, DistEnv())  # on the CPU: device cpu, the autocast we can run
     monkeypatch.setattr(DataParallelStrategy, "gpu_ids", property(lambda self: [0, 1]))
-    monkeypatch.setattr(nn, "DataParallel", lambda module, device_ids, output_device: module)
+    wrapped = []  # nn.DataParallel as called (it cannot run on the CPU): the test sees what it replicates
+    monkeypatch.setattr(nn, "DataParallel", lambda module, **kw: wrapped.append(kw) or module)
     gpt = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=2, n_embd=16))
     replica = strategy.wrap_data_parallel(gpt)  # what nn.DataParallel would replicate
+    assert wrapped == [{"device_ids": [0, 1], "output_device": 0}] and replica is not gpt
     x, dtypes = torch.randint(0, 65, (2, 8)), {}
 
     def replica_thread(enabled: bool):  # what parallel_apply's worker does

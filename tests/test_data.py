@@ -144,12 +144,16 @@ def http_dir(tmp_path):
     stop()
 
 
+HELD_PORTS: list[socket.socket] = []
+
+
 def closed_port() -> int:
+    """A port where connections are refused at once, for as long as this process lives: bound and
+    never listening (a port closed again could be taken by another process that listens)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now: connections are refused at once
-    return port
+    HELD_PORTS.append(s)
+    return s.getsockname()[1]
 
 
 def test_download_checks_sha256_and_is_cached(http_dir, tmp_path):

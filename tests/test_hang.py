@@ -22,7 +22,7 @@ from guards.watchdog import HANG_EXIT, RankReport, compact_ranks, hang_line
 from harness import StreamedLaunch
 from testing.local import rank_pid, torchrun, torchrun_argv
 
-COMMON = DDP_REFERENCE  # trainer.hang_timeout_s=3
+COMMON = DDP_REFERENCE + ["trainer.hang_timeout_s=3"]  # a hang named within seconds (changes no number)
 RESTART = ["--max-restarts=1", "--monitor-interval=0.2"]
 HOST = socket.gethostname()
 
@@ -82,6 +82,9 @@ def test_sigstop_names_the_frozen_rank_and_the_restart_ends_bit_identical(ddp_re
         r"answer \(stopped, frozen or dead\); rank 0 waits in \w+ #\d+ on \S+ \((trainer|parallel/\w+)\.py:\d+ in \w+\); "
         rf"dumps in {re.escape(str(dumps))}; exit code {HANG_EXIT}: torchrun --max-restarts restarts from the "
         r"newest snapshot", lines[0]), lines[0]
+    # never before the configured timeout (a lower bound on a clock: no slow machine breaks it; how
+    # soon after it the line comes is a matter for a benchmark, not a test)
+    assert int(re.search(r"for (\d+) s", lines[0]).group(1)) >= 3, lines[0]
     assert (dumps / "fr_trace_rank_0").stat().st_size > 0 and "(training)" in (dumps / "stacks_rank_0.txt").read_text()
     assert not (dumps / "fr_trace_rank_1").exists()  # a stopped rank dumps nothing
     assert f"resumed from {run / 'snapshots' / 'step_0000010'} at step 10" in out, out[-4000:]

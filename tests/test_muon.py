@@ -58,6 +58,22 @@ def test_orthogonalize_in_bf16_is_torchs_newton_schulz():
     assert torch.equal(ours, torch_muon._zeropower_via_newtonschulz(g, COEFFICIENTS, 5, 1e-7).float())
 
 
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96)])
+def test_orthogonalize_in_fp32_maps_each_singular_value_by_the_quintic(shape):
+    """A reference independent of both implementations: x <- a x + b (x x^T) x + c (x x^T)^2 x
+    keeps g's singular vectors and maps each normalized singular value s to a s + b s^3 + c s^5,
+    so 5 steps on g = U diag(s) V^T give U diag(f^5(s / |g|_F)) V^T (in float64, from an SVD)."""
+    torch.manual_seed(0)
+    g = torch.randn(*shape)
+    u, sv, vt = torch.linalg.svd(g.double(), full_matrices=False)
+    s, (a, b, c) = sv / g.double().norm(), COEFFICIENTS
+    for _ in range(5):
+        s = a * s + b * s**3 + c * s**5
+    want = u @ torch.diag(s) @ vt
+    ours = orthogonalize(g, COEFFICIENTS, 5, 1e-7, torch.float32)
+    assert (ours.double() - want).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
 def test_update_is_torchs_muon_with_fp32_newton_schulz(adjust, monkeypatch):
     torch.manual_seed(0)

@@ -11,7 +11,6 @@ import main as app
 import sample
 from config import DataConfig, TrainerConfig
 from corpus.text import corpus_cache_path
-from testing.local import CORPUS, TINY
 from test_data import closed_port
 from testing.local import CORPUS, TINY
 

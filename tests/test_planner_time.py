@@ -121,15 +121,18 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     first = load_hardware("local", measure=measure_local)
     second = load_hardware("local", measure=measure_local)
     assert "measured" in first.source and "cached" in second.source
+    # measured figures: their sign and their caching here; their size is the business of a benchmark
+    # (an upper bound on a time fails whenever the machine is loaded)
     assert first.intra_node == second.intra_node and first.intra_node.bandwidth > 0
-    assert 0 < first.intra_node.latency < 0.1 and first.peak("fp32") > 0
+    assert first.intra_node.latency > 0 and first.peak("fp32") > 0
     # the engines' host work per block, measured on the fake group (DTensor's dispatch, FSDP2's hooks)
     assert first.tp_overhead > 0 and first.fsdp_overhead > 0 and first.sp_overhead > 0
     assert not first.overlap  # the CPU's cores do the collectives' work
     assert first.shared_node  # a local launch of more ranks than cores shares them
     assert first.reduce_scatter_as_all_reduce  # gloo's reduce_scatter_tensor is an all-reduce
-    assert 0 < first.step_overhead < 0.1  # the step's fixed work outside the blocks
-    assert 1 <= first.busy_node_slowdown < 2  # a block while the other core computes too, over alone
+    assert first.step_overhead > 0  # the step's fixed work outside the blocks
+    assert first.busy_node_slowdown >= 1  # a block while the other core computes too, over alone (floored at 1)
+    assert second.step_overhead == first.step_overhead and second.busy_node_slowdown == first.busy_node_slowdown
 
 
 def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):

@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from testing.local import TINY, python, torchrun
 from observe.profiling import trace_names
-from testing.local import TINY, torchrun
+from testing.local import TINY, python, torchrun
 
 pytestmark = pytest.mark.launch
 

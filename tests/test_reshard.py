@@ -10,15 +10,20 @@ grows 2 -> 4 and shrinks 4 -> 2; each launch of four processes costs ~20 s on 2 
 The global batch and data order do not depend on the layout, so the loss curve of the whole
 chain must match one uninterrupted single-process run step by step, within reduction-order
 tolerance (different layouts sum gradients in different orders; AdamW then amplifies ~1e-8
-gradient differences into ~1e-6 relative loss differences over these few steps)."""
+gradient differences into ~1e-6 relative loss differences over these few steps). The loss alone
+would see a wrong optimizer state in one step per segment (a segment's first loss is computed
+before its first update), so the chain is held to the parity bounds of testing/parity.py on every
+figure it logs: the loss and the pre-clip gradient norm at every step, and the parameters at the
+end (model.pt). A resume that drops the optimizer state fails the norm and parameter checks at
+once (checked by hand: the optimizer state cleared after each resume's load)."""
 from __future__ import annotations
-
-import json
 
 import pytest
 
 import main as app
+from harness import metric_rows, model_tensors
 from testing.local import TINY, torchrun
+from testing.parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
 
 pytestmark = pytest.mark.launch
 
@@ -36,12 +41,10 @@ CHAIN = [
     (2, ["parallel.strategy=none", "parallel.pp=2"]),
     (1, ["parallel.strategy=none"]),
 ]
-LOSS_RTOL = 1e-4
 
 
-def losses(run_dir) -> dict[int, float]:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+def logged(run_dir, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in metric_rows(run_dir) if key in r}
 
 
 def segment(nproc: int, args: list[str], capsys) -> tuple[int, str, str]:
@@ -68,8 +71,14 @@ def test_chain_of_layouts_continues_the_same_curve(tmp_path, capsys):
         assert code == 0, f"segment {i} ({nproc} x {layout}):\n{out[-2000:]}\n{err[-3000:]}"
         if i:
             assert f"at step {STEPS * i}" in out, f"segment {i} did not resume:\n{out[-2000:]}"
-    ref, got = losses(ref_dir), losses(run)
-    assert sorted(got) == sorted(ref) == list(range(1, total + 1))
-    for step, want in ref.items():
-        assert abs(got[step] - want) <= LOSS_RTOL * abs(want), (
-            f"step {step} ({CHAIN[(step - 1) // STEPS][1]}): loss {got[step]} vs uninterrupted {want}")
+    for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", NORM_RTOL)):
+        ref, got = logged(ref_dir, key), logged(run, key)
+        assert sorted(got) == sorted(ref) == list(range(1, total + 1)), key
+        for step, want in ref.items():
+            assert abs(got[step] - want) <= rtol * abs(want), (
+                f"step {step} ({CHAIN[(step - 1) // STEPS][1]}): {key} {got[step]} vs uninterrupted {want} "
+                f"(rel {abs(got[step] - want) / abs(want):.1e})")
+    ta, tb = model_tensors(ref_dir), model_tensors(run)
+    assert ta.keys() == tb.keys()
+    worst = max((ta[k] - tb[k]).abs().max().item() for k in ta)
+    assert worst <= PARAM_ATOL, f"parameters after step {total}: {worst:.2e} from the uninterrupted run's"

@@ -115,11 +115,12 @@ def test_a_torchrun_restart_waits_for_a_lock_that_outlives_its_holder(tmp_path, 
     run.mkdir()
     holder = hold_lock(run / runlock.LOCK_FILE, 120)
     try:
-        # a first launch never waits: a folder in use is another job's
-        t0 = time.monotonic()
+        # a first launch never waits: a folder in use is another job's (it would say so: the restart
+        # below shows the line a wait prints; its duration is no test's business)
+        assert runlock.restart_lock_wait() == 0
         assert app.main(RUN + ["trainer.max_steps=1", f"trainer.run_dir={run}"]) == 2
-        assert "is in use by another launch" in one_error_line(capsys.readouterr().err)
-        assert time.monotonic() - t0 < 3
+        err = capsys.readouterr().err
+        assert "is in use by another launch" in one_error_line(err) and "waiting up to" not in err, err
         # a restart (what torchrun sets for a restarted worker) waits, says so once, then trains once
         # the holder is gone (it ends only after the restart said it waits: no race with a slow start)
         restart = subprocess.Popen([sys.executable, "main.py", *RUN, "trainer.max_steps=1", f"trainer.run_dir={run}"],

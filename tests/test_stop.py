@@ -148,6 +148,23 @@ def test_ctrl_c_to_python_main_py_stops_saves_and_the_printed_command_resumes(tm
 
 
 @pytest.mark.launch
+def test_sigterm_to_python_main_py_saves_and_exits_143(tmp_path):
+    """The exit table's 143: a SIGTERM to `python main.py` mid-training (as a scheduler sends it)
+    stops at one step, saves it and ends as a shell reports a job ended by SIGTERM. (The resume of
+    such a stop is the Ctrl-C test's above: the same code after the signal is recorded.)"""
+    run = tmp_path / "run"
+    with StreamedLaunch([sys.executable, "main.py", *STOP, "parallel.strategy=none", f"trainer.run_dir={run}"]) as job:
+        assert job.wait_for(lambda: any(l.startswith("step ") for l in job.lines)), job.output()[-3000:]
+        os.kill(job.proc.pid, signal.SIGTERM)
+        rc = job.proc.wait(timeout=200)
+    out = job.output()
+    assert rc == 128 + signal.SIGTERM, out[-4000:]
+    step, path, _ = stop_of(out)
+    assert STOP_LINE.search(out).group(1) == "SIGTERM" and Path(path) == run / "snapshots" / f"step_{step:07d}"
+    assert_no_traceback_of_ours(out, torchrun=False)
+
+
+@pytest.mark.launch
 def test_a_signal_during_start_up_is_one_line_and_no_traceback(tmp_path):
     """Ctrl-C (or torchrun's forwarded SIGTERM) while the processes still import torch: before the
     step loop there is no step to agree on, so every process ends by the signal at once (a shell

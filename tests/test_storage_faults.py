@@ -9,7 +9,9 @@ Each fault is real: a size-limited tmpfs (ENOSPC; also one filled by another wri
 the metrics row meets first), `mount -o remount,ro` mid-save (EROFS), a
 process without the capabilities that let root ignore permissions (EACCES), and the `eio` fault
 hook inside one rank's DCP write (EIO, which this machine cannot cause for real). Mounting needs
-root, as CI has.
+root, as CI has, or a user and mount namespace, where any user is root of its own mounts:
+`unshare -Urm python -m pytest tests/test_storage_faults.py` (where the system allows
+unprivileged user namespaces). Anyone else gets one failing line per test saying so, never a skip.
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ from observe import hooks
 from snapshots.store import list_snapshots, validate_snapshot
 from testing.local import REPO, TINY, child_env, torchrun
 
-pytestmark = [pytest.mark.launch,
-              pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")]
+pytestmark = pytest.mark.launch
+NEEDS_ROOT = ("the storage-fault tests mount tmpfs filesystems: run them as root, or in a user and mount "
+              "namespace: unshare -Urm python -m pytest tests/test_storage_faults.py (needs unprivileged "
+              "user namespaces: sysctl user.max_user_namespaces > 0)")
 
 # Snapshots every 5 steps; the cosine's length is fixed, so a run resumed at any step follows the
 # same LR curve as the uninterrupted one. A snapshot of this model takes about 1.1 MiB.
@@ -42,6 +46,13 @@ COMMON = TINY + ["trainer.max_steps=20", "trainer.save_every=5", "optimizer.lr_d
 SINGLE = COMMON + ["parallel.strategy=none"]
 DDP = COMMON + ["parallel.strategy=ddp"]
 RESTART = ["--max-restarts=1", "--monitor-interval=0.2"]
+
+
+@pytest.fixture(autouse=True, scope="session")  # session: set up before the session's ddp_reference launch
+def _root_of_its_mounts():
+    """Root, or root of a user namespace (unshare -Urm): else each test fails with NEEDS_ROOT."""
+    if os.geteuid() != 0:
+        pytest.fail(NEEDS_ROOT, pytrace=False)
 
 
 @contextmanager

@@ -8,13 +8,14 @@
   barriers around them: a few hundred bytes);
 - the report end to end at N=2 on the tiny model with five layouts (fsdp, tp, tp + sp + vocab, pp 1f1b,
   ZB-V): report.json
-  says predicted and measured agree within the bars (memory 5%, bytes moved 2%) in every category,
-  each layout's predicted step time stands beside the median of its timed runs, report.md and the
-  three plots are written.
+  says predicted and measured agree as the README says they do at N=4 (memory within 128 bytes per
+  category, bytes moved exactly) in every category, each layout's step time is the median of its
+  timed runs beside the predicted one, report.md and the three plots are written.
 """
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -59,14 +60,14 @@ def test_report_end_to_end_two_processes(tmp_path):
                                                           "pp2 zero-bubble V"]
     for lay in report["layouts"]:
         for c in lay["memory"]:
-            assert c["measured"] == pytest.approx(c["predicted"], rel=0.05), (lay["name"], c)
+            assert abs(c["measured"] - c["predicted"]) <= 128, (lay["name"], c)
         kinds = {c["what"] for c in lay["moved"]}
         assert kinds, lay["name"]
         for c in lay["moved"]:
-            assert c["measured"] == pytest.approx(c["predicted"], rel=0.02), (lay["name"], c)
+            assert c["measured"] == c["predicted"], (lay["name"], c)
         assert lay["ok"] and lay["wire_bytes_per_step"] > 0 and lay["tokens_per_s"] > 0
         # the step time --plan predicts on `--hardware local` beside the median of the measured runs
-        assert len(lay["step_runs_s"]) == 2 and min(lay["step_runs_s"]) <= lay["step_s"] <= max(lay["step_runs_s"])
+        assert len(lay["step_runs_s"]) == 2 and lay["step_s"] == pytest.approx(statistics.median(lay["step_runs_s"]))
         assert lay["step_predicted_s"] > 0 and lay["time_ratio"] == pytest.approx(lay["step_s"] / lay["step_predicted_s"])
         assert {name for name, _ in lay["time_terms"]} >= {"compute", "optimizer"}
     assert {"tp"} <= {c["what"] for c in report["layouts"][1]["moved"]}

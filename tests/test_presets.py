@@ -1,0 +1,27 @@
+"""The presets the README names load as the launch loads them and describe a model the code builds:
+presets/cpu_speedrun.yaml (nanoGPT's CPU model with Muon) and presets/gpu_8x8x512.yaml (bf16,
+compile, CUDA). What each achieves is a benchmark's (benchmarks/time_to_loss.py) or the GPU check's
+(scripts/gpu_check.sh), not this test's: here, that neither has drifted from the config's keys and
+checks, and that each keeps the settings the README and docs/performance.md state."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checks import load_config
+from model import GPT, GPTConfig
+from testing.local import REPO
+
+
+@pytest.mark.parametrize("preset, want", [
+    ("cpu_speedrun.yaml", {"device": "cpu", "optimizer": "muon", "shape": (4, 4, 128), "compile": False}),
+    ("gpu_8x8x512.yaml", {"device": "cuda", "optimizer": "adamw", "shape": (8, 8, 512), "compile": True}),
+])
+def test_a_preset_loads_and_its_model_builds(preset, want):
+    cfg = load_config(str(REPO / "presets" / preset), [])
+    m = cfg.model
+    assert (cfg.trainer.device, cfg.optimizer.name, (m.n_layer, m.n_head, m.n_embd), cfg.trainer.compile) == (
+        want["device"], want["optimizer"], want["shape"], want["compile"])
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig.of(m, 65))
+    assert len(gpt.blocks) == m.n_layer
