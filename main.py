@@ -51,6 +51,7 @@ from costs.dry_run import dry_run_command
 from costs.planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
 from launch.app import run
 from launch.errors import OneLineErrors, error_line, exit_code, one_line_warnings, reject_dashed_overrides
+from observe.host_memory import return_large_frees
 from snapshots.pretrained import adopt_model_shape
 
 
@@ -134,6 +135,7 @@ def main(argv=None, keep_process_group: bool = False) -> int:
     """`keep_process_group`: leave the process group up at the end, for a caller that runs several
     launches in one torchrun job (the tests' workers)."""
     one_line_warnings()
+    return_large_frees()  # freed tensors go back to the kernel: each rank's memory is what it holds
     # From here on a stop signal is one line, never a traceback (launch/app.py records it instead)
     previous = {sig: signal.signal(sig, raise_interrupted) for sig in STOP_SIGNALS} \
         if threading.current_thread() is threading.main_thread() else {}
