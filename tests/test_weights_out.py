@@ -45,11 +45,13 @@ def fsdp_runs(tmp_path_factory):
     on both ranks: {"big"|"tiny": (run folder, {rank: bytes above})}."""
     runs = {}
     for size, width in (("big", 768), ("tiny", 32)):
-        run = tmp_path_factory.mktemp(size) / "run"
-        r = torchrun(2, ["tests/write_peak_worker.py", "finish", *RUN, f"model.n_embd={width}",
+        out = tmp_path_factory.mktemp(size)
+        run = out / "run"
+        r = torchrun(2, ["tests/write_peak_worker.py", "finish", str(out), *RUN, f"model.n_embd={width}",
                          "parallel.strategy=fsdp", f"trainer.run_dir={run}"], timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs[size] = run, {p["rank"]: p["above"] for p in peaks(r.stdout)}
+        found = [json.loads(f.read_text()) for f in sorted(out.glob("write_peak_*.json"))]
+        runs[size] = run, {p["rank"]: p["above"] for p in found}
     return runs
 
 
@@ -69,6 +71,7 @@ def test_end_of_run_model_pt_costs_each_rank_one_unit_under_fsdp(fsdp_runs):
     assert sorted(big) == sorted(tiny) == [0, 1], (big, tiny)
     for rank in big:
         above = big[rank] - tiny[rank]
+        print(f"end of run, rank {rank}: {above / 1e6:.1f} MB above the tiny model's (allowed {ALLOWED / 1e6:.1f})")
         assert above <= ALLOWED, f"rank {rank}: {above / 1e6:.1f} MB above the tiny model's while model.pt was " \
                                  f"written (allowed {ALLOWED / 1e6:.1f}; model {MODEL_BYTES / 1e6:.0f})"
     assert zipfile.ZipFile(run / "model.pt").testzip() is None  # every record's CRC-32 is right
@@ -80,6 +83,7 @@ def test_export_costs_one_unit_and_writes_the_same_weights(fsdp_runs, tmp_path, 
     (run, _), (tiny_run, _) = fsdp_runs["big"], fsdp_runs["tiny"]
     out = tmp_path / ("model.pt" if fmt == "pt" else "hf")
     above = export_peak(run, fmt, out) - export_peak(tiny_run, fmt, tmp_path / "tiny")
+    print(f"export --format {fmt}: {above / 1e6:.1f} MB above the tiny model's (allowed {ALLOWED / 1e6:.1f})")
     assert above <= ALLOWED, f"export --format {fmt}: {above / 1e6:.1f} MB above the tiny model's export " \
                              f"(allowed {ALLOWED / 1e6:.1f}; model {MODEL_BYTES / 1e6:.0f})"
     final = model_pt(run / "model.pt")["model"]
