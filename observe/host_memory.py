@@ -40,18 +40,22 @@ def reset_peak(pid: int | str = "self") -> None:
 # Linux), and from then on blocks of a tensor's size come from the heap, where freed memory between
 # live blocks stays with the process. Measured with benchmarks/construction_memory.py (fsdp on 8
 # processes, 16 x 1024 GPT): through the first step each worker kept 1.1-1.2x the whole model's
-# fp32 bytes resident where its live tensors needed about 0.6x; with a fixed threshold of 4 MiB
-# (which also stops the raising) every tensor of 4 MiB or more is mapped on its own and returned
-# when freed. Its cost, a fresh mapping (and its page faults) per large tensor, is measured there too.
-MMAP_THRESHOLD = 4 * 2**20
+# fp32 bytes resident where its live tensors needed about 0.6x. A fixed threshold (which also stops
+# the raising) maps every block above it on its own and returns it when freed: 4 MiB brought the
+# 16 x 1024 model to 0.60x but left a 16 x 512 one (its weights 1-4 MiB) at 0.72-0.87x; 1 MiB gave
+# 0.60-0.68x there, 256 KiB 0.55-0.60x (tests/test_construction_memory.py's model). Its cost, a
+# fresh mapping (and its page faults) per block, is measured by the benchmark's --speed.
+MMAP_THRESHOLD = 2**20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 
 
 def return_large_frees() -> bool:
     """Make glibc return every freed block of MMAP_THRESHOLD bytes or more to the kernel at once
     (mallopt M_MMAP_THRESHOLD). Not on another C library (no glibc: nothing to change), nor when
-    the environment sets glibc's own MALLOC_MMAP_THRESHOLD_ (that choice stands). True if set."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    the environment sets glibc's own MALLOC_MMAP_THRESHOLD_ (that choice stands) or
+    MINGPT_GLIBC_MALLOC=default (glibc's own behaviour: benchmarks/construction_memory.py compares
+    the two). True if set."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("MINGPT_GLIBC_MALLOC") == "default":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
