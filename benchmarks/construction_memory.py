@@ -3,6 +3,7 @@
     python benchmarks/construction_memory.py                       # the default cases (minutes)
     python benchmarks/construction_memory.py --case fsdp 8 parallel.strategy=fsdp
     python benchmarks/construction_memory.py --repo ../old-checkout # the same cases on another commit
+    python benchmarks/construction_memory.py --malloc both --speed  # glibc's default beside the fixed threshold
 
 Every case is a real `torchrun main.py` launch of a 16 x 1024 GPT (201M parameters, 805 MB in
 fp32) and of a tiny one (2 x 64) with the same layout and process count, read from outside: each
@@ -14,6 +15,11 @@ fraction of the whole model's fp32 bytes: what the model itself costs a rank. Th
 through a step; fsdp and zero-3 1/n and 4/n (plus the gathered blocks); tp=2 and pp=2 about 1/2
 and 2. A commit before the `train` hook point is read at its start-up view instead, which may
 race its first step.
+
+main.py fixes glibc's mmap threshold at 1 MiB (observe/host_memory.py); `--malloc default` runs the
+workers with glibc's own behaviour instead (MINGPT_GLIBC_MALLOC=default), `both` prints the two, and
+`--speed` times both settings (tokens/s of a 6-step fsdp x2 run of the same model, alternated twice).
+The stop-and-read mechanism is launch/memory_probe.py (tests/test_construction_memory.py uses it too).
 
 It runs the commit it is in (or --repo's): the figures before and after a change come from two runs.
 CPU flags are printed beside the figures (they do not change memory, but the guide asks for them).
