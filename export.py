@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from config import UsageError
+from observe.host_memory import return_large_frees
 from snapshots.format import step_dir_name
 from storage.failures import STORAGE_EXIT, error_words, fix_for, os_error_in
 from weights.consolidate import consolidate
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
                     "snapshot, <run-dir>/model_step_<N>.pt for --step N or when model.pt holds a later "
                     "step; a folder with --format hf)")
     args = ap.parse_args(argv)
+    return_large_frees()  # each tensor written is returned to the kernel when dropped
     try:
         if args.format == "hf" and not args.out:
             raise UsageError("--format hf writes a folder: name it with --out DIR")

@@ -63,6 +63,7 @@ from launch.errors import (
     quiet_broken_pipe,
     reject_dashed_overrides,
 )
+from observe.host_memory import return_large_frees
 from planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
 from tools.calibrate import measure_local
 from tools.dry_run import dry_run_command
@@ -154,6 +155,7 @@ def main(argv=None, keep_process_group: bool = False) -> int:
     """`keep_process_group`: leave the process group up at the end, for a caller that runs several
     launches in one torchrun job (the tests' workers)."""
     one_line_warnings()
+    return_large_frees()  # freed tensors go back to the kernel: each rank's memory is what it holds
     # From here on a stop signal is one line, never a traceback (launch/app.py records it instead)
     previous = {sig: signal.signal(sig, raise_interrupted) for sig in STOP_SIGNALS} \
         if threading.current_thread() is threading.main_thread() else {}

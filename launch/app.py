@@ -27,7 +27,6 @@ from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
 from launch.schedule import schedule_change, schedule_notes
 from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
-from model import GPT, GPTConfig
 from observe.profiling import profile_note
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, cpu_devices, init_distributed, local_world_size, shutdown
@@ -36,8 +35,9 @@ from snapshots.resume import nothing_left_message
 from storage.failures import StorageError, os_error_in
 from storage.files import atomic_write_text
 from trainer import Trainer
-from weights.model_file import MODEL_FILE
+from weights.model_file import MODEL_FILE, InOrder, model_layout, read_model_file
 from weights.pretrained import adopt_model_shape
+from weights.tensor_files import storage_order
 
 PLAN_ONLY_FLAGS = "--world-size, --device-memory, --reserve-memory, --hardware, --plan-json and --explain"
 
@@ -205,15 +205,33 @@ def stop_exit_code(signum: int, under_torchrun: bool) -> int:
 def _finish(cfg: Config, env: DistEnv, trainer: Trainer, summary: RunSummary, run_dir: Path) -> None:
     """The outputs: consolidated weights, a short sample, the tracker's summary. The run is complete
     here (its final snapshot is written), so failures in rank 0's file writes are one warning,
-    never an exit code. The gather is a collective every rank enters, so it is not guarded: a rank
-    that failed inside it and went on would strand the others in it."""
+    never an exit code. model.pt is written one tensor at a time while every rank gathers that
+    tensor (a collective: Strategy.full_tensors), so no rank holds the whole model; every rank runs
+    the gather to its end (`drain`), so a write that failed midway strands no rank in it. The
+    sample is drawn from model.pt as written, memory-mapped."""
     strategy = trainer.strategy
-    sd = strategy.full_model_state_dict()
+    layout = model_layout(trainer.model_config)
+    weights = InOrder({k: tuple(v.shape) for k, v in layout.items()},
+                      strategy.full_tensors({k: layout[k] for k in storage_order(layout)}))
     if env.rank == 0:
-        outputs = {MODEL_FILE: lambda: trainer.write_model(run_dir / MODEL_FILE, sd)}
+        model_failed: list[Exception] = []
+
+        def write_model():
+            try:
+                trainer.write_model(run_dir / MODEL_FILE, weights)
+            except Exception as e:
+                model_failed.append(e)
+                raise
+
+        def write_sample_from_model():
+            if model_failed:  # the sample is drawn from model.pt: the same failure, one cause in the warning
+                raise model_failed[0]
+            _write_sample(trainer, run_dir)
+        outputs = {MODEL_FILE: write_model}
         if cfg.trainer.sample_tokens:
-            outputs[SAMPLE_FILE] = lambda: _write_sample(trainer, sd, run_dir)
+            outputs[SAMPLE_FILE] = write_sample_from_model
         write_outputs(outputs, trainer.last_snapshot, run_dir)
+    weights.drain()
     env.barrier()
     if strategy.is_tracker:
         sample_path = run_dir / SAMPLE_FILE
@@ -256,9 +274,8 @@ def _cause(e: Exception) -> str:
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
-def _write_sample(trainer: Trainer, sd: dict, run_dir: Path) -> None:
-    model = GPT(GPTConfig(**trainer.model_config))
-    model.load_state_dict(sd)
+def _write_sample(trainer: Trainer, run_dir: Path) -> None:
+    model = read_model_file(run_dir / MODEL_FILE, mmap=True).build_model()  # the file's pages, not a copy
     write_sample(model, trainer.tokenizer, trainer.cfg.trainer.sample_tokens, trainer.cfg.trainer.seed, run_dir)
 
 

@@ -65,7 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import Config
 from model import GPT, lm_loss
-from parallel.dtensor import grad_like_param, local_tensor
+from parallel.dtensor import full_tensor, grad_like_param, local_tensor
 from parallel.env import new_group
 from parallel.layout import Layout
 from parallel.step import StepRunner, autocast, loss_context
@@ -308,3 +308,26 @@ class Pipeline(StepRunner):
         parts = [None] * self.layout.pp if rank == 0 else None
         dist.gather_object(sd, parts, dst=0, group=self.pp_group)
         return {k: v for part in parts for k, v in part.items()} if rank == 0 else None
+
+    def full_tensors(self, rank, names):
+        """Each tensor is gathered over the dp/tp group of a stage that holds it, and the rank at
+        dp = tp = 0 there (the first such stage, in rank order) sends it to rank 0: stages hold
+        different tensors, so rank 0 receives them one by one in `names` order. The stages' names
+        are exchanged first (a list of strings per rank)."""
+        sd = get_model_state_dict(self.parts[0])
+        at = self.layout.coordinate(rank)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(sd) if at.dp == 0 and at.tp == 0 else [])
+        sender = {}
+        for r, held in enumerate(everyone):
+            for name in held:
+                sender.setdefault(name, r)
+        for name in names:
+            whole = full_tensor(sd[name].detach()) if name in sd else None  # collective in this stage's group
+            if rank == sender[name] != 0:
+                dist.send(whole.contiguous(), dst=0)
+            elif rank == 0 and sender[name] != 0:
+                whole = torch.empty(names[name].shape, dtype=names[name].dtype, device=self.device)
+                dist.recv(whole, src=sender[name])
+            yield name, (whole.cpu() if rank == 0 else None)
+            del whole

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import Config
 from model import lm_loss
-from parallel.dtensor import local_tensor
+from parallel.dtensor import full_tensor, local_tensor
 from parallel.env import DTYPES
 from parallel.zero_shard import ZeroDataParallel
 
@@ -105,6 +106,12 @@ class StepRunner(ABC):
     def full_model_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
         """Collective. The whole model's plain CPU tensors on global rank 0 (None elsewhere)."""
 
+    @abstractmethod
+    def full_tensors(self, rank: int, names: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Collective, one tensor at a time: (name, its whole value as a CPU tensor on global rank 0,
+        None elsewhere) for each of `names` in order (name -> a meta tensor of its shape and dtype). Every rank iterates it to the end; no rank holds
+        more than one whole tensor at a time (model.pt at the end of a run)."""
+
 
 class MicroBatchLoop(StepRunner):
     """The whole model on this rank; gradient accumulation over `microbatches` micro-batches."""
@@ -143,3 +150,13 @@ class MicroBatchLoop(StepRunner):
     def full_model_state_dict(self, rank):
         sd = get_model_state_dict(self.parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: v.detach().cpu().clone() for k, v in sd.items()} if rank == 0 else None
+
+    def full_tensors(self, rank, names):
+        # Not full_state_dict=True: that gathers every tensor before returning any. Here each
+        # sharded parameter (FSDP2, zero-3, HSDP, tp: a DTensor) is gathered on its own, written
+        # by the caller and dropped before the next; a replica (ddp, ZeRO-1/2) is read as it is.
+        sd = get_model_state_dict(self.parts[0])
+        for name in names:
+            whole = full_tensor(sd[name].detach())  # collective over the parameter's mesh
+            yield name, (whole.cpu() if rank == 0 else None)
+            del whole

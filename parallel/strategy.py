@@ -257,8 +257,14 @@ class Strategy:
         self.after_optimizer_step()
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective. The whole model's plain CPU tensors on global rank 0 (None elsewhere): for model.pt."""
+        """Collective. The whole model's plain CPU tensors on global rank 0 (None elsewhere): for
+        tests that compare whole models (model.pt is written from full_tensors)."""
         return self.runner.full_model_state_dict(self.env.rank)
+
+    def full_tensors(self, names: dict[str, torch.Tensor]):
+        """Collective, one tensor at a time: (name, whole CPU tensor on rank 0, None elsewhere) for
+        each of `names` (name -> meta tensor of its shape), in order; every rank iterates to the end."""
+        return self.runner.full_tensors(self.env.rank, names)
 
     def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return resident_bytes(self.runner.held_modules(), optimizer)

@@ -1,18 +1,21 @@
 """One snapshot, any layout, reassembled into plain single-process tensors in one process.
 
 A snapshot written by any strategy (ddp, zero, fsdp, tp, pp, meshes) stores parameters under
-their plain names, sharded by DCP. Here one process, with no process group, builds the model
-from the snapshot's recorded shape and lets DCP reassemble every shard into it, through the
-restricted reader (nothing in the snapshot is unpickled). export.py writes the result as
-model.pt; sample.py --snapshot samples from it.
+their plain names, sharded by DCP. Here one process, with no process group, takes the model's
+names and shapes from the snapshot's recorded shape (on the meta device: no bytes) and lets DCP
+reassemble each tensor from its shards when it is asked for, through the restricted reader
+(nothing in the snapshot is unpickled): one whole tensor at a time, never the whole model.
+export.py writes the result as model.pt (or a Hugging Face folder); sample.py --snapshot samples
+from it.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import torch
+
 from config import UsageError
-from model import GPT, GPTConfig
 from snapshots.format import (
     SnapshotMeta,
     UnsafeSnapshot,
@@ -22,7 +25,7 @@ from snapshots.format import (
     validate_snapshot,
 )
 from snapshots.store import load_tensors
-from weights.model_file import ModelFile
+from weights.model_file import LazyTensors, ModelFile, model_layout
 
 
 def consolidate(run_dir: Path, step: int | None) -> ModelFile:
@@ -46,13 +49,17 @@ def consolidate(run_dir: Path, step: int | None) -> ModelFile:
             print(f"warning: skipping snapshot {path}: {why}", file=sys.stderr)
             continue
         meta = SnapshotMeta.from_record(record)
-        gpt_cfg = GPTConfig(**meta.model_config)
-        model = GPT(gpt_cfg)
-        state = {"model": dict(model.state_dict())}
-        try:  # tensors only, through the restricted reader: nothing in the snapshot is unpickled
-            load_tensors(path, state)
-        except UnsafeSnapshot as e:  # changed since validate_snapshot read it
-            raise UsageError(f"snapshot {path} is unsafe to load ({e}); pick another --step") from None
-        model.load_state_dict(state["model"])
-        return ModelFile.from_snapshot(meta, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        layout = model_layout(meta.model_config)
+        shapes = {k: tuple(v.shape) for k, v in layout.items()}
+        return ModelFile.from_snapshot(meta, LazyTensors(shapes, lambda name, p=path: _read(p, name, layout[name])))
     raise UsageError(f"no valid snapshot in {run_dir / 'snapshots'}; every one is damaged")
+
+
+def _read(path: Path, name: str, like: torch.Tensor) -> torch.Tensor:
+    """One parameter of the snapshot at `path`, whole (DCP reads only its shards)."""
+    state = {"model": {name: torch.empty(like.shape, dtype=like.dtype)}}
+    try:  # tensors only, through the restricted reader: nothing in the snapshot is unpickled
+        load_tensors(path, state)
+    except UnsafeSnapshot as e:  # changed since validate_snapshot read it
+        raise UsageError(f"snapshot {path} is unsafe to load ({e}); pick another --step") from None
+    return state["model"][name]

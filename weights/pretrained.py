@@ -17,18 +17,18 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import safetensors
-import safetensors.torch
 import torch
 
 from config import BEFORE_THE_KEY, Config, UsageError
 from storage.files import atomic_write
-from weights.model_file import LazyTensors, ModelFile, read_model_file
+from weights.model_file import LazyTensors, ModelFile, model_layout, read_model_file
+from weights.tensor_files import save_safetensors
 
 GPT2_VOCAB = 50257  # the GPT-2 BPE (tiktoken r50k_base): what a Hugging Face GPT-2 folder tokenizes with
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
@@ -300,7 +300,8 @@ def initial_weights(model, src: Source) -> LazyTensors:
 
 
 def write_hf(model_file: ModelFile, out: Path) -> None:
-    """config.json + model.safetensors (+ the tokenizer record) of a model.pt's contents."""
+    """config.json + model.safetensors (+ the tokenizer record) of a model.pt's contents; the
+    safetensors file one tensor at a time (each converted from model_file.model when written)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder for the Hugging Face export")
     m = {**BEFORE_THE_KEY, **model_file.model_config}
@@ -308,41 +309,54 @@ def write_hf(model_file: ModelFile, out: Path) -> None:
         raise UsageError(f"this model was trained with model.activation={m['activation']} "
                          f"qk_norm={str(m['qk_norm']).lower()}, which GPT-2's format cannot express; "
                          f"keep --format pt (its model.pt loads here with sample.py and model.init_from)")
-    tensors = _hf_tensors(model_file.model, model_file.model_config)
+    recipes = _hf_tensors(model_file.model, model_file.model_config)
+    on_meta = _hf_tensors(model_layout(model_file.model_config), model_file.model_config)
+    layout = {k: (tuple(t.shape), t.dtype) for k, t in ((k, make()) for k, make in on_meta.items())}
     config = _hf_config(model_file.model_config, gpt2=model_file.tokenizer.get("kind") == "gpt2")
     out.mkdir(parents=True, exist_ok=True)
     record = json.dumps(model_file.tokenizer, ensure_ascii=False)
-    _atomic(out / "model.safetensors", lambda p: _save_safetensors(tensors, p))
+    _atomic(out / "model.safetensors", lambda p: _save_safetensors(layout, lambda k: recipes[k](), p))
     _atomic(out / TOKENIZER_FILE, lambda p: p.write_text(record, encoding="utf-8"))
     _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
 
 
-def _hf_tensors(sd: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
-    """Our parameter names -> GPT2LMHeadModel's (its Conv1D layers hold the transposed weights)."""
+def _hf_tensors(sd: Mapping[str, torch.Tensor], m: dict) -> dict[str, Callable[[], torch.Tensor]]:
+    """GPT2LMHeadModel's tensor names -> how each is made from ours, read from `sd` when called (its
+    Conv1D layers hold the transposed weights; c_attn fuses q, k, v). On a meta state dict the
+    recipes give the shapes without bytes."""
     c = m["n_embd"]
 
     def bias(name: str, n: int) -> torch.Tensor:
         # Hugging Face's GPT-2 always has biases: a bias=False model gets zeros, the same function.
-        return sd[name] if m["bias"] else torch.zeros(n, dtype=sd["tok_emb.weight"].dtype)
+        return sd[name] if m["bias"] else torch.zeros(n, device=sd["ln_f.weight"].device)
 
-    t = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"]}
+    def same(name: str) -> Callable[[], torch.Tensor]:
+        return lambda: sd[name]
+
+    def transposed(name: str) -> Callable[[], torch.Tensor]:
+        return lambda: sd[name].t()
+
+    def biased(name: str, n: int) -> Callable[[], torch.Tensor]:
+        return lambda: bias(name, n)
+
+    t = {"transformer.wte.weight": same("tok_emb.weight"), "transformer.wpe.weight": same("pos_emb.weight")}
     for i in range(m["n_layer"]):
         h, b = f"transformer.h.{i}.", f"blocks.{i}."
         for ln in ("ln_1", "ln_2"):
-            t[h + ln + ".weight"] = sd[b + ln + ".weight"]
-            t[h + ln + ".bias"] = bias(b + ln + ".bias", c)
-        qkv = ("q_proj", "k_proj", "v_proj")  # the fused layer's columns, in this order
-        t[h + "attn.c_attn.weight"] = torch.cat([sd[b + f"attn.{p}.weight"].t() for p in qkv], 1)
-        t[h + "attn.c_attn.bias"] = torch.cat([bias(b + f"attn.{p}.bias", c) for p in qkv])
+            t[h + ln + ".weight"] = same(b + ln + ".weight")
+            t[h + ln + ".bias"] = biased(b + ln + ".bias", c)
+        qkv = [b + f"attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]  # the fused layer's columns, in order
+        t[h + "attn.c_attn.weight"] = lambda qkv=qkv: torch.cat([sd[p + ".weight"].t() for p in qkv], 1)
+        t[h + "attn.c_attn.bias"] = lambda qkv=qkv: torch.cat([bias(p + ".bias", c) for p in qkv])
         for hf_name, name, n in (("attn.c_proj", "attn.out_proj", c), ("mlp.c_fc", "mlp.fc", 4 * c),
                                  ("mlp.c_proj", "mlp.proj", c)):
-            t[h + hf_name + ".weight"] = sd[b + name + ".weight"].t()
-            t[h + hf_name + ".bias"] = bias(b + name + ".bias", n)
-    t["transformer.ln_f.weight"] = sd["ln_f.weight"]
-    t["transformer.ln_f.bias"] = bias("ln_f.bias", c)
+            t[h + hf_name + ".weight"] = transposed(b + name + ".weight")
+            t[h + hf_name + ".bias"] = biased(b + name + ".bias", n)
+    t["transformer.ln_f.weight"] = same("ln_f.weight")
+    t["transformer.ln_f.bias"] = biased("ln_f.bias", c)
     if not m["tie_weights"]:
-        t["lm_head.weight"] = sd["lm_head.weight"]
-    return {k: v.detach().cpu().contiguous().clone() for k, v in t.items()}  # no shared storage
+        t["lm_head.weight"] = same("lm_head.weight")
+    return t
 
 
 def _hf_config(m: dict, gpt2: bool) -> dict:
@@ -360,16 +374,11 @@ def _hf_config(m: dict, gpt2: bool) -> dict:
     }
 
 
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' own writer; a write the storage refuses becomes the OSError it was (safetensors
-    raises its own error type, naming the errno only in its text: "... (os error 28)")."""
-    try:
-        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
-    except safetensors.SafetensorError as e:
-        if (found := re.search(r"os error (\d+)", str(e))) is None:
-            raise
-        code = int(found[1])
-        raise OSError(code, os.strerror(code), str(path)) from e
+def _save_safetensors(layout: dict, read: Callable[[str], torch.Tensor], path: Path) -> None:
+    """model.safetensors, one tensor at a time (weights/tensor_files.py), through a Python file:
+    a write the storage refuses is the OSError it was."""
+    with open(path, "wb") as f:
+        save_safetensors(f, layout, read, metadata={"format": "pt"})
 
 
 def _atomic(path: Path, write) -> None:
