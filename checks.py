@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from config import (
+    CP_MODES,
     PP_SCHEDULES,
     PRECISIONS,
     STRATEGY_NAMES,
@@ -127,6 +128,8 @@ def _validate_parallel(p: ParallelConfig) -> None:
     _choice("parallel.strategy", p.strategy, STRATEGY_NAMES)
     _positive("parallel.tp", p.tp)
     _positive("parallel.pp", p.pp)
+    _positive("parallel.cp", p.cp)
+    _choice("parallel.cp_mode", p.cp_mode, CP_MODES)
     _positive("parallel.dp_replicate", p.dp_replicate)
     _positive("parallel.bucket_cap_mb", p.bucket_cap_mb)
     if p.zero_stage not in (1, 2, 3):

@@ -33,6 +33,8 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp", "auto")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# the values of parallel.cp_mode: how the cp ranks of one sequence see each other's keys and values
+CP_MODES = ("ring",)
 
 
 class UsageError(Exception):
@@ -129,6 +131,8 @@ class ParallelConfig:
     strategy: str = "ddp"  # none | dp | ddp | zero | fsdp (ddp with one process = plain training)
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: each sequence split over this many ranks (parallel/cp.py)
+    cp_mode: str = "ring"  # ring: K/V blocks passed around the cp ranks point to point
     # ddp
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True

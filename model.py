@@ -65,6 +65,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.qk_norm = cfg.qk_norm
+        # Context parallelism (parallel/cp.py) sets this to its attention over the ranks that hold
+        # the other pieces of each sequence: (q, k, v) -> y, causal by global position. An
+        # attribute, not a submodule: parameter names stay the same with it on or off.
+        self.context_parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -73,8 +77,11 @@ class CausalSelfAttention(nn.Module):
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.qk_norm:  # over head_dim: a head's own statistic, whichever rank holds the head
             q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if self.context_parallel is not None:  # this rank holds only some of each sequence's tokens
+            y = self.context_parallel(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.out_proj(y))
 
@@ -134,11 +141,13 @@ class GPT(nn.Module):
         if not self.ln_f.weight.is_meta:  # built on the meta device: parallel/materialize.py fills it
             init_weights(self, seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V). A pipeline stage without the embedding takes
-        hidden states (B, T, C) instead, and one without the head returns hidden states."""
+        hidden states (B, T, C) instead, and one without the head returns hidden states.
+        `positions` (T,): each token's position in its sequence, when x holds only some of each
+        sequence (context parallelism: parallel/cp.py); by default 0..T-1."""
         if self.tok_emb is not None:
-            pos = torch.arange(x.size(1), device=x.device)
+            pos = torch.arange(x.size(1), device=x.device) if positions is None else positions
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
         for block in self.blocks.values():
             x = block(x)

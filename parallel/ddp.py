@@ -27,14 +27,16 @@ from parallel.strategy import Strategy
 
 
 def wrap_ddp(module: nn.Module, cfg: Config, layout: Layout, mesh: DeviceMesh | None, env: DistEnv) -> nn.Module:
-    """`module` under DDP on mesh["dp"] (itself with one dp rank). Also ZeRO-1's engine."""
-    if not layout.dp_enabled:
+    """`module` under DDP on mesh["dp"], or on dp x cp flattened under context parallelism (the
+    cp ranks average their gradients too: parallel/cp.py); itself with one rank there. Also
+    ZeRO-1's engine."""
+    if layout.dp * layout.cp == 1:
         return module
     p = cfg.parallel
     return DistributedDataParallel(
         module,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
-        process_group=mesh["dp"].get_group(),
+        process_group=mesh[layout.grad_dim].get_group(),
         bucket_cap_mb=p.bucket_cap_mb,
         gradient_as_bucket_view=p.gradient_as_bucket_view,
         static_graph=p.static_graph,

@@ -11,6 +11,11 @@ DeviceMesh is built from it (`build_mesh`) and nothing else computes ranks.
 Mesh order is ("pp", "dp", "tp") with tp innermost: tensor parallelism talks twice per block, so
 its ranks should be neighbours (same host, NVLink); pipeline stages talk least, so they are
 outermost. dp = world_size / (tp * pp). Global rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
+With context parallelism (cp > 1: each sequence split over cp ranks, parallel/cp.py) the mesh is
+("pp", "dp", "cp", "tp"): cp passes K/V blocks every layer, less than tp and more than dp. Then
+dp = world_size / (tp * pp * cp), global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp +
+tp_rank, and "dp_cp" (dp and cp flattened) is where gradients are averaged: the cp ranks of a
+sequence hold the same parameters, each with the gradient of its own tokens.
 
 Config-only checks (heads divisible by tp, a pipeline split that adds up, options that belong to
 another strategy) are parallel/options.py's; the checks here need the world size.
@@ -27,6 +32,7 @@ from parallel.env import GPU_GROUP_BACKEND, time_out_mesh
 from parallel.options import Engine, world_size_problem
 
 MESH_DIMS = ("pp", "dp", "tp")
+CP_MESH_DIMS = ("pp", "dp", "cp", "tp")
 # With parallel.dp_replicate = R > 1 (HSDP) dp is built as (R, dp / R) and flattened back into "dp".
 HSDP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 # Data-parallel engines that hold plain tensors only: they cannot take tensor-parallel (DTensor)
@@ -40,6 +46,7 @@ class Coordinate:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class Layout:
     stage_placement: tuple[int, ...] = (0,)  # stage -> pp rank
     v_shape: bool = False  # ZB-V: rank r holds stages r and S-1-r
     dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard (FSDP2 shards over dp_shard only)
+    cp: int = 1  # context parallel: ranks each sequence is split over
 
     # ------------------------------------------------------------------ building and checking
 
@@ -61,9 +69,9 @@ class Layout:
     def of(cls, cfg: Config, world_size: int) -> "Layout":
         """The layout of `cfg` on `world_size` ranks, or a UsageError naming what does not fit."""
         p, t = cfg.parallel, cfg.trainer
-        if blocker := world_size_problem(world_size, p.tp, p.pp):
+        if blocker := world_size_problem(world_size, p.tp, p.pp, p.cp):
             raise UsageError(blocker)
-        dp = world_size // (p.tp * p.pp)
+        dp = world_size // (p.tp * p.pp * p.cp)
         if p.strategy == "dp" and world_size > 1:
             raise UsageError(f"parallel.strategy=dp drives all GPUs from ONE process but this launch has "
                              f"{world_size} processes; run `python main.py parallel.strategy=dp` "
@@ -99,7 +107,7 @@ class Layout:
                                  f"per-rank batch {per_rank} (= batch_size / dp ranks); pick a "
                                  f"divisor of {per_rank}")
             layout = cls(pp=1, dp=dp, tp=p.tp, batch_size=t.batch_size, microbatches=per_rank // micro,
-                         stage_blocks=(cfg.model.n_layer,), dp_replicate=p.dp_replicate)
+                         stage_blocks=(cfg.model.n_layer,), dp_replicate=p.dp_replicate, cp=p.cp)
         if p.static_graph and layout.microbatches > 1:
             # torch DDP bug (pytorch#143580, fix pending in #187732): static_graph with no_sync()
             # asserts in the reducer on the first backward, and once past that stops reducing.
@@ -146,7 +154,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def pp_enabled(self) -> bool:
@@ -159,6 +167,16 @@ class Layout:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def grad_dim(self) -> str:
+        """The mesh dimension over which gradients are averaged: "dp", or "dp_cp" under cp (the cp
+        ranks of a sequence hold the same parameters, each with its own tokens' gradient)."""
+        return "dp_cp" if self.cp_enabled else "dp"
 
     @property
     def dp_shard(self) -> int:
@@ -177,11 +195,12 @@ class Layout:
     # ------------------------------------------------------------------ ranks
 
     def coordinate(self, rank: int) -> Coordinate:
-        """(pp, dp, tp) position of a global rank in the mesh."""
-        return Coordinate(pp=rank // (self.dp * self.tp), dp=rank // self.tp % self.dp, tp=rank % self.tp)
+        """(pp, dp, tp, cp) position of a global rank in the mesh."""
+        return Coordinate(pp=rank // (self.dp * self.cp * self.tp), dp=rank // (self.cp * self.tp) % self.dp,
+                          tp=rank % self.tp, cp=rank // self.tp % self.cp)
 
-    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The pipeline stages a pp rank holds, in stage order."""
@@ -202,6 +221,8 @@ class Layout:
             return None
         names = MESH_DIMS if self.dp_replicate == 1 else HSDP_MESH_DIMS
         shape = (self.pp, self.dp, self.tp) if self.dp_replicate == 1 else (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        if self.cp_enabled:  # HSDP is fsdp's, which cp does not take yet (parallel/options.py)
+            names, shape = CP_MESH_DIMS, (self.pp, self.dp, self.cp, self.tp)
         # On CUDA every sub-group gets gloo beside NCCL, as the default group has (parallel/env.py):
         # CPU tensors cross sub-groups too (FSDP2's CPU-offloaded gradients in the norm over dp).
         # Left to itself, init_device_mesh splits the default group's NCCL communicator
@@ -211,6 +232,8 @@ class Layout:
                                 backend_override={name: GPU_GROUP_BACKEND for name in names} if gpu else None)
         if self.dp_replicate > 1:  # torchtitan flattens the same way (private API, torch 2.13)
             mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=GPU_GROUP_BACKEND if gpu else None)
+        if self.cp_enabled:
+            mesh["dp", "cp"]._flatten("dp_cp", backend_override=GPU_GROUP_BACKEND if gpu else None)
         time_out_mesh(mesh)
         return mesh
 
@@ -230,4 +253,7 @@ def describe(cfg: Config, layout: Layout, dp_engine: str) -> str:
         extras = (", vocab-parallel embedding + loss" if p.tp_vocab_parallel else "") + \
                  (", sequence parallel" if p.sequence_parallel else "")
         tp = f"tp {layout.tp} (megatron column/row split of every block{extras})"
+    if layout.cp_enabled:
+        cp = f"cp {layout.cp} ({p.cp_mode} attention, load-balanced chunks, gradients averaged over dp x cp)"
+        return f"{pp} x {dp} x {cp} x {tp}"
     return f"{pp} x {dp} x {tp}"

@@ -65,11 +65,12 @@ class Engine(str, Enum):
         return [f"parallel.{k}={v}" for k, v in self.config_values.items()]
 
 
-def world_size_problem(world_size: int, tp: int, pp: int) -> str | None:
-    """The most basic blocker of a launch: tp x pp ranks must tile the world."""
-    if world_size % (tp * pp):
-        return (f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp * pp}; "
-                f"launch a multiple of {tp * pp} processes")
+def world_size_problem(world_size: int, tp: int, pp: int, cp: int = 1) -> str | None:
+    """The most basic blocker of a launch: tp x pp (x cp) ranks must tile the world."""
+    if world_size % (tp * pp * cp):
+        names = "parallel.tp * parallel.pp" + (" * parallel.cp" if cp > 1 else "")
+        return (f"world size {world_size} is not divisible by {names} = {tp * pp * cp}; "
+                f"launch a multiple of {tp * pp * cp} processes")
     return None
 
 
@@ -77,7 +78,7 @@ def problems(cfg: Config, world_size: int | None = None) -> Iterator[str]:
     """Every config-only problem of the parallel keys, one line each, in the order a user should
     fix them; with `world_size` (the launch's), whether tp x pp tiles it comes first."""
     p, m = cfg.parallel, cfg.model
-    if world_size is not None and (blocker := world_size_problem(world_size, p.tp, p.pp)):
+    if world_size is not None and (blocker := world_size_problem(world_size, p.tp, p.pp, p.cp)):
         yield blocker
     if m.n_head % p.tp:
         yield (f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
@@ -86,6 +87,7 @@ def problems(cfg: Config, world_size: int | None = None) -> Iterator[str]:
     yield from _auto_problems(p)
     yield from _optimizer_problems(cfg.optimizer.name, p)
     yield from _model_split_problems(m, cfg.trainer, p)
+    yield from _context_parallel_problems(cfg)
 
 
 def _auto_problems(p: ParallelConfig) -> Iterator[str]:
@@ -137,6 +139,36 @@ STRATEGY_ONLY = {
 ZERO_STAGE_ONLY = {"bucket_cap_mb": (1, 2)}
 PP_ONLY = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")  # defaults unless parallel.pp > 1
 TP_ONLY = ("tp_vocab_parallel", "sequence_parallel")  # false unless parallel.tp > 1
+CP_ONLY = ("cp_mode",)  # defaults unless parallel.cp > 1
+# What context parallelism composes with so far (each proven equal to one process by a parity test).
+CP_STRATEGIES = ("none", "ddp")
+
+
+def _context_parallel_problems(cfg: Config) -> Iterator[str]:
+    """parallel.cp > 1: the sequence split (parallel/cp.py) and what it does not compose with yet."""
+    p, m, t = cfg.parallel, cfg.model, cfg.trainer
+    if p.cp == 1:
+        return
+    if m.block_size % (2 * p.cp):
+        yield (f"model.block_size={m.block_size} is not divisible by 2 x parallel.cp = {2 * p.cp}; each "
+               f"sequence is cut into 2 cp chunks (rank i holds chunks i and 2cp-1-i): use a multiple of {2 * p.cp}")
+    if m.dropout > 0:
+        yield (f"model.dropout={m.dropout}: parallel.cp needs model.dropout=0 (the CPU flash kernel refuses "
+               f"attention dropout, and per-rank masks could never match one process's); set model.dropout=0")
+    if p.strategy == "dp":
+        yield ("parallel.cp splits each sequence over processes and parallel.strategy=dp (nn.DataParallel) "
+               "runs one process; use parallel.strategy=ddp or none under torchrun")
+    elif p.strategy not in CP_STRATEGIES:
+        yield (f"parallel.cp > 1 runs with parallel.strategy={' or '.join(CP_STRATEGIES)} so far, not "
+               f"'{p.strategy}'{' (auto does not plan cp)' if p.strategy == 'auto' else ''}; change the strategy")
+    for key, value, fix in (("tp", p.tp > 1, "parallel.tp=1"), ("pp", p.pp > 1, "parallel.pp=1"),
+                            ("activation_checkpointing", p.activation_checkpointing,
+                             "parallel.activation_checkpointing=false"),
+                            ("trainer.compile", t.compile, "trainer.compile=false"),
+                            ("trainer.precision", t.precision != "fp32", "trainer.precision=fp32")):
+        if value:
+            yield (f"parallel.cp > 1 does not compose with {key if '.' in key else 'parallel.' + key} yet "
+                   f"(cp runs with strategy none or ddp, fp32, eager, no tp, pp or recomputation); set {fix}")
 
 
 def _model_split_problems(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> Iterator[str]:
@@ -206,3 +238,7 @@ def _option_problems(p: ParallelConfig) -> Iterator[str]:
         for key in TP_ONLY:
             if getattr(p, key) and key not in chosen:
                 yield (f"parallel.{key} only applies with parallel.tp > 1; set parallel.tp")
+    if p.cp == 1:
+        for key in CP_ONLY:
+            if getattr(p, key) != getattr(defaults, key):
+                yield f"parallel.{key} only applies with parallel.cp > 1; set parallel.cp"

@@ -2,6 +2,7 @@
 
     1. pipeline split   mesh["pp"]  this rank keeps its stages (parallel/pp.py split_stages)
     2. tensor parallel  mesh["tp"]  Megatron column/row split of every block (parallel/tp.py)
+       context parallel mesh["cp"]  every block's attention over the cp ranks' ring (parallel/cp.py)
     3. activation checkpointing     every block recomputes its activations in backward
     4. compile                      torch.compile of each block, in place
     5. data parallel    mesh["dp"]  the strategy's engine: DDP, FSDP2, ZeRO, nn.DataParallel
@@ -29,9 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from config import Config
 from model import GPT
+from parallel.cp import ContextParallelLoop, apply_context_parallel
 from parallel.env import DistEnv
 from parallel.layout import Layout
 from parallel.materialize import InitialValue, materialize, on_meta
+from parallel.options import Engine
 from parallel.pp import Pipeline, split_stages
 from parallel.step import MicroBatchLoop, StepRunner
 from parallel.tp import apply_tensor_parallel
@@ -57,6 +60,8 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
     if layout.tp_enabled:
         for part in stages.values():
             apply_tensor_parallel(part, mesh["tp"], p.tp_vocab_parallel, p.sequence_parallel)
+    if layout.cp_enabled:  # no pipeline stages under cp yet (parallel/options.py): the whole model
+        apply_context_parallel(model, mesh["cp"])
     # 3. activation checkpointing
     for part in stages.values():
         for block in part.blocks.values():
@@ -74,6 +79,9 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
     wrapped = [wrap_data_parallel(part) for part in parts]
     if deferred and shards_parameters:
         materialize(parts, device, initial)
+    if layout.cp_enabled:  # without an engine on dp x cp, the runner averages the gradients over cp
+        return ContextParallelLoop(model, wrapped[0], cfg, env.device, layout.microbatches, mesh["cp"],
+                                   reduce_grads=Engine.of(p) is Engine.NONE)
     if not layout.pp_enabled:
         return MicroBatchLoop(model, wrapped[0], cfg, env.device, layout.microbatches)
     return Pipeline(stages, wrapped, cfg, layout, mesh, env.device, env.rank)

@@ -128,13 +128,17 @@ class MicroBatchLoop(StepRunner):
         for i in range(0, x.size(0), m):
             yield x[i:i + m].to(self.device, non_blocking=True), y[i:i + m].to(self.device, non_blocking=True)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's forward (context parallelism adds the tokens' positions: parallel/cp.py)."""
+        return self.model(x)
+
     def forward_backward(self, x, y, scale_loss):
         n = self.microbatches
         total = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(self.micro_batches(x, y)):
             with gradient_sync(self.wrapped, sync=i == n - 1), loss_context(self.cfg):
                 with autocast(self.cfg, self.device):
-                    loss = lm_loss(self.model(xm), ym)
+                    loss = lm_loss(self.logits(xm), ym)
                 scale_loss(loss / n).backward()
             total += local_tensor(loss.detach())
         return total / n
@@ -144,7 +148,7 @@ class MicroBatchLoop(StepRunner):
         total = torch.zeros((), device=self.device)
         for xm, ym in self.micro_batches(x, y):
             with autocast(self.cfg, self.device), loss_context(self.cfg):
-                total += local_tensor(lm_loss(self.model(xm), ym)).float()
+                total += local_tensor(lm_loss(self.logits(xm), ym)).float()
         return total / self.microbatches
 
     def full_model_state_dict(self, rank):

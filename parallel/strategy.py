@@ -221,7 +221,8 @@ class Strategy:
         counted = self.runner.loss_owner and self.coordinate.tp == 0  # tp peers hold the same loss
         v = value.detach().float().clone() if counted else torch.zeros((), device=self.device)
         dist.all_reduce(v)
-        return v / self.dp_size
+        # cp ranks each hold the mean over as many tokens of the same sequences (parallel/cp.py)
+        return v / (self.dp_size * self.layout.cp)
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Collective. Every parameter's whole gradient by plain name, on every rank: what parity
