@@ -48,7 +48,7 @@ class DDPStrategy(Strategy):
 
     def describe_dp(self) -> str:
         p = self.cfg.parallel
-        if self.dp_size == 1:
+        if self.dp_size * self.layout.cp == 1:
             return "ddp (one data-parallel rank: no gradient all-reduce)"
         return (f"ddp (bucket {p.bucket_cap_mb:g} MB, grads as bucket views "
                 f"{'on' if p.gradient_as_bucket_view else 'off'}"

@@ -76,8 +76,9 @@ class FSDPStrategy(Strategy):
         """Does fully_shard run? With more than one dp rank; in a world of one process only for CPU
         offload (a model kept in host memory and streamed to the GPU: the one-GPU use of FSDP), which
         needs a process group (torchrun --nproc_per_node=1). Layouts with tp or pp and one dp rank stay
-        unwrapped: their stage shapes, grad scaler and plan assume no FSDP at dp 1."""
-        return self.dp_size > 1 or (self.cfg.parallel.cpu_offload and self.mesh is not None
+        unwrapped: their stage shapes, grad scaler and plan assume no FSDP at dp 1. Under context
+        parallelism FSDP2 shards over dp x cp (the cp ranks hold the same parameters), as torchtitan does."""
+        return self.dp_size * self.layout.cp > 1 or (self.cfg.parallel.cpu_offload and self.mesh is not None
                                     and self.env.world_size == 1)
 
     @property
@@ -95,6 +96,8 @@ class FSDPStrategy(Strategy):
         return self.cfg.trainer.precision
 
     def describe_dp(self) -> str:
+        if self.layout.cp_enabled:
+            return f"{self.name} (FSDP2 per block + root, sharded over dp x cp = {self.dp_size * self.layout.cp} ranks)"
         if self.dp_size == 1 and self.shards_parameters:
             return f"{self.name} (one data-parallel rank: FSDP2 for the cpu offload only)"
         if self.dp_size == 1:
@@ -120,7 +123,7 @@ class FSDPStrategy(Strategy):
             return module
         # HSDP: a 2-D mesh, (Replicate, Shard(0)): reduce-scatter within a replica group, then
         # all-reduce the shards across the groups.
-        dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else self.mesh["dp"]
+        dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else self.mesh[self.layout.grad_dim]
         kwargs = dict(mesh=dp_mesh, reshard_after_forward=self.reshard_after_forward,
                       mp_policy=self.mp_policy(), offload_policy=self.offload_policy())
         for block in module.blocks.values():

@@ -221,7 +221,7 @@ class Layout:
             return None
         names = MESH_DIMS if self.dp_replicate == 1 else HSDP_MESH_DIMS
         shape = (self.pp, self.dp, self.tp) if self.dp_replicate == 1 else (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        if self.cp_enabled:  # HSDP is fsdp's, which cp does not take yet (parallel/options.py)
+        if self.cp_enabled:  # cp does not take HSDP yet (parallel/options.py)
             names, shape = CP_MESH_DIMS, (self.pp, self.dp, self.cp, self.tp)
         # On CUDA every sub-group gets gloo beside NCCL, as the default group has (parallel/env.py):
         # CPU tensors cross sub-groups too (FSDP2's CPU-offloaded gradients in the norm over dp).
@@ -254,6 +254,7 @@ def describe(cfg: Config, layout: Layout, dp_engine: str) -> str:
                  (", sequence parallel" if p.sequence_parallel else "")
         tp = f"tp {layout.tp} (megatron column/row split of every block{extras})"
     if layout.cp_enabled:
-        cp = f"cp {layout.cp} ({p.cp_mode} attention, load-balanced chunks, gradients averaged over dp x cp)"
+        cp = (f"cp {layout.cp} ({p.cp_mode} attention, load-balanced chunks; gradients averaged over dp x cp"
+              f"{' by ' + p.strategy if p.strategy != 'none' else ''})")
         return f"{pp} x {dp} x {cp} x {tp}"
     return f"{pp} x {dp} x {tp}"

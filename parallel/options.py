@@ -141,7 +141,7 @@ PP_ONLY = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")  # d
 TP_ONLY = ("tp_vocab_parallel", "sequence_parallel")  # false unless parallel.tp > 1
 CP_ONLY = ("cp_mode",)  # defaults unless parallel.cp > 1
 # What context parallelism composes with so far (each proven equal to one process by a parity test).
-CP_STRATEGIES = ("none", "ddp")
+CP_STRATEGIES = ("none", "ddp", "fsdp")
 
 
 def _context_parallel_problems(cfg: Config) -> Iterator[str]:
@@ -165,10 +165,14 @@ def _context_parallel_problems(cfg: Config) -> Iterator[str]:
                             ("activation_checkpointing", p.activation_checkpointing,
                              "parallel.activation_checkpointing=false"),
                             ("trainer.compile", t.compile, "trainer.compile=false"),
-                            ("trainer.precision", t.precision != "fp32", "trainer.precision=fp32")):
+                            ("trainer.precision", t.precision != "fp32", "trainer.precision=fp32"),
+                            ("mixed_precision", p.mixed_precision != "none", "parallel.mixed_precision=none"),
+                            ("dp_replicate", p.dp_replicate > 1, "parallel.dp_replicate=1"),
+                            ("cpu_offload", p.cpu_offload, "parallel.cpu_offload=false")):
         if value:
             yield (f"parallel.cp > 1 does not compose with {key if '.' in key else 'parallel.' + key} yet "
-                   f"(cp runs with strategy none or ddp, fp32, eager, no tp, pp or recomputation); set {fix}")
+                   f"(cp runs with strategy none, ddp or plain fsdp, fp32, eager, no tp, pp or recomputation); "
+                   f"set {fix}")
 
 
 def _model_split_problems(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> Iterator[str]:

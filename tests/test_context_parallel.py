@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import main as app
 from checks import load_config
 from config import UsageError
 from model import GPT, GPTConfig, lm_loss
@@ -169,7 +170,9 @@ def cfg_of(*overrides: str, world: int | None = None):
     (["parallel.cp=3"], "model.block_size=16 is not divisible by 2 x parallel.cp = 6"),
     (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp needs model.dropout=0"),
     (["parallel.cp=2", "parallel.strategy=dp"], "nn.DataParallel"),
-    (["parallel.cp=2", "parallel.strategy=fsdp"], "parallel.strategy=none or ddp so far, not 'fsdp'"),
+    (["parallel.cp=2", "parallel.strategy=auto"], "parallel.strategy=none or ddp or fsdp so far, not 'auto'"),
+    (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.mixed_precision=bf16"], "parallel.mixed_precision=none"),
+    (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.dp_replicate=2"], "parallel.dp_replicate=1"),
     (["parallel.cp=2", "parallel.strategy=zero"], "not 'zero'"),
     (["parallel.cp=2", "parallel.tp=2"], "does not compose with parallel.tp"),
     (["parallel.cp=2", "parallel.pp=2"], "does not compose with parallel.pp"),
@@ -192,3 +195,11 @@ def test_cp_layout_is_a_mesh_dimension_between_dp_and_tp():
     with pytest.raises(UsageError, match="not divisible by parallel.tp \\* parallel.pp \\* parallel.cp = 4"):
         cfg_of("parallel.cp=4", world=2)
     assert Layout.of(cfg_of(), 4).grad_dim == "dp"
+
+
+@pytest.mark.parametrize("flag", ["--plan", "--dry-run"])
+def test_the_planner_and_the_dry_run_refuse_cp_in_one_line(flag, capsys, tmp_path):
+    assert app.main([flag, "--world-size", "4", *TINY, "parallel.cp=2", f"trainer.run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("launch the cp layout directly") and "\n" not in err and "does not model context" in err
+    assert list(tmp_path.iterdir()) == []
