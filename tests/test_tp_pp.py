@@ -1,4 +1,4 @@
-"""Tensor parallel, pipeline parallel and their meshes against one process.
+"""Tensor parallel, pipeline parallel, context parallel and their meshes against one process.
 
 Parity (testing/parity.py): first-step gradients <= 1e-6 abs, the loss at each of 6 steps <= 1e-4
 relative, the logged gradient norm at each step <= 1e-5 relative, the parameters after the first
@@ -12,11 +12,13 @@ assert_tp_fp16_tracks). Two launches cover every case:
                speedruns' model options (ReLU^2, QK-norm) at pp=2 with an uneven split and
                activation checkpointing and at tp=2 vocab-parallel + sequence-parallel; fp16 at
                tp=2, pp=2 and fsdp x pp=2 (dp=1: plain parameters, fused AdamW); Muon at pp=2
-               (whole matrices) and tp=2 (gathered);
+               (whole matrices) and tp=2 (gathered); cp=2 with no engine (the runner averages over
+               cp), ddp and fsdp (over the flattened dp x cp group);
   4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), pp=4 (middle stages hold no tied copy),
                tp=2 x pp=2 (ZB-V, vocab-parallel, SP); fp16 at tp=2 x pp=2 and fsdp dp=2 x pp=2,
                Muon at dp=2 x tp=2 on a model whose rows FSDP2 splits unevenly, and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
-               process (a pp x tp snapshot resharded to pp = tp = 1).
+               process (a pp x tp snapshot resharded to pp = tp = 1); cp=4 (no engine), dp=2 x cp=2
+               with ddp and with fsdp.
 Layout errors are checked in-process (no process group): one line, UsageError.
 """
 from __future__ import annotations
@@ -61,6 +63,10 @@ TWO = {
     "fsdp_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
     "pp2_1f1b_muon": "parallel.pp=2 parallel.pp_schedule=1f1b optimizer.name=muon",  # each stage's whole matrices
     "tp2_muon": "parallel.tp=2 optimizer.name=muon",  # each matrix gathered from its tp shards for Muon
+    # context parallel (parallel/cp.py): each sequence over 2 ranks, ring attention
+    "cp2_none": "parallel.strategy=none parallel.cp=2",
+    "cp2_ddp": "parallel.strategy=ddp parallel.cp=2",
+    "cp2_fsdp": "parallel.strategy=fsdp parallel.cp=2",
 }
 # the untied head with the speedruns' model options: a pipeline with an uneven split and recomputation,
 # and tp with vocabulary and sequence parallelism (q and k normalised per head on the rank holding it)
@@ -80,6 +86,9 @@ FOUR = {
     "fsdp_dp2_pp2_fp16": "parallel.strategy=fsdp parallel.pp=2 trainer.precision=fp16",
     # gathered over dp and tp, from uneven rows
     "fsdp_dp2_tp2_muon_odd": f"parallel.strategy=fsdp parallel.tp=2 optimizer.name=muon {ODD}",
+    "cp4_none": "parallel.strategy=none parallel.cp=4",
+    "ddp_dp2_cp2": "parallel.strategy=ddp parallel.cp=2",
+    "fsdp_dp2_cp2": "parallel.strategy=fsdp parallel.cp=2",
 }
 APP = TINY + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.save_every=10"]
 APP_MESH = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
