@@ -1,7 +1,7 @@
 """The layout of one launch: how many ranks run each parallel dimension, and every rule that
 depends on the world size.
 
-Owns `Layout` (in the spirit of torchtitan's ParallelDims): the degrees pp x dp x tp, the batch
+Owns `Layout` (in the spirit of torchtitan's ParallelDims): the degrees pp x dp (x cp) x tp, the batch
 split they imply (per-rank batch, micro-batches per step), the pipeline's stage placement, the
 rank at a mesh coordinate, and `Layout.of`, the one check of everything a world size can get wrong. It is
 pure arithmetic on the config: `Layout.of(cfg, world_size)` runs before any process group,
@@ -213,7 +213,7 @@ class Layout:
         return self.rank_of(pp=self.stage_placement[-1])
 
     def build_mesh(self, device_type: str, distributed: bool) -> DeviceMesh | None:
-        """Collective. The named 3-D DeviceMesh ("pp", "dp", "tp"), or None for a single process.
+        """Collective. The named 3-D DeviceMesh ("pp", "dp", "tp") (4-D with cp, "dp_cp" flattened), or None for a single process.
         Under HSDP it is 4-D, ("pp", "dp_replicate", "dp_shard", "tp"), with the two data-parallel
         dimensions also flattened into "dp" (rank-major, so dp rank = replica x dp_shard + shard,
         the same coordinate as without HSDP: the batch split does not change)."""
