@@ -202,6 +202,14 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def ring_bytes_sent(batch: int, local_tokens: int, width: int, cp: int, element_bytes: int = 4) -> dict[str, int]:
+    """Bytes one rank sends for one attention layer and micro-batch: K/V of its tokens are
+    a = 2 x batch x local_tokens x width x element_bytes; forward (cp-1) a, backward (cp-1) a (K/V
+    again) + cp a (dK/dV, the last send home)."""
+    a = 2 * batch * local_tokens * width * element_bytes
+    return {"forward": (cp - 1) * a, "backward": (2 * cp - 1) * a}
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
     return RingAttention.apply(q, k, v, ring)
 

@@ -203,3 +203,31 @@ def test_the_planner_and_the_dry_run_refuse_cp_in_one_line(flag, capsys, tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.endswith("launch the cp layout directly") and "\n" not in err and "does not model context" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_ring_sends_the_bytes_its_formula_states():
+    """What RingAttention hands to the ring per rank, forward and backward, against ring_bytes_sent."""
+    cp, b, h, d = 4, 2, 3, 8
+    t = 4 * cp
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    sent = {}
+
+    class CountingRing(ThreadRing):
+        phase = "forward"
+
+        def start_shift(self, tensors, tag):
+            key = (self.rank, self.phase)
+            sent[key] = sent.get(key, 0) + sum(x.numel() * x.element_size() for x in tensors)
+            return super().start_shift(tensors, tag)
+
+    def rank(r, ring):
+        ring = CountingRing(ring.rank, ring.size, ring.boxes)
+        pos = cpmod.local_positions(t, r, cp)
+        mine = [x[:, :, pos].clone().requires_grad_() for x in (q, k, v)]
+        out = cpmod.ring_attention(*mine, ring)
+        ring.phase = "backward"
+        out.sum().backward()
+    run_ranks(cp, rank)
+    want = cpmod.ring_bytes_sent(b, t // cp, h * d, cp)
+    for r in range(cp):
+        assert {p: sent[r, p] for p in ("forward", "backward")} == want
