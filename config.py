@@ -34,7 +34,7 @@ STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp", "auto")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # the values of parallel.cp_mode: how the cp ranks of one sequence see each other's keys and values
-CP_MODES = ("ring",)
+CP_MODES = ("ring", "allgather")
 
 
 class UsageError(Exception):
@@ -132,7 +132,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: each sequence split over this many ranks (parallel/cp.py)
-    cp_mode: str = "ring"  # ring: K/V blocks passed around the cp ranks point to point
+    cp_mode: str = "ring"  # ring: K/V blocks passed around the cp ranks point to point | allgather: K/V gathered once
     # ddp
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True

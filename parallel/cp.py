@@ -51,6 +51,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from config import Config
+from parallel.collectives import reduce_scatter
 from parallel.step import MicroBatchLoop
 
 # ----------------------------------------------------------------------------- the split
@@ -72,10 +73,23 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
 
 
 class Ring:
-    """The cp ranks of one sequence in a ring: each sends to the next and receives from the previous."""
+    """The cp ranks of one sequence: in a ring (each sends to the next and receives from the
+    previous: `start_shift`), or all together (`all_gather`, `reduce_scatter`)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(cp, *t.shape): every rank's t, in cp-rank order."""
+        out = t.new_empty((self.size, *t.shape))
+        dist.all_gather_into_tensor(out, t, group=self.group)
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """t (cp, ...): the sum over the ranks of their t[rank] (a ring's bytes on gloo too)."""
+        out = t.new_empty(t.shape[1:])
+        reduce_scatter(out, t, self.group)
+        return out
 
     def start_shift(self, tensors: list[torch.Tensor], tag: int) -> Callable[[], list[torch.Tensor]]:
         """Send `tensors` to the next rank and receive the previous rank's, asynchronously (the
@@ -202,11 +216,14 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def ring_bytes_sent(batch: int, local_tokens: int, width: int, cp: int, element_bytes: int = 4) -> dict[str, int]:
+def bytes_sent(mode: str, batch: int, local_tokens: int, width: int, cp: int, element_bytes: int = 4) -> dict[str, int]:
     """Bytes one rank sends for one attention layer and micro-batch: K/V of its tokens are
-    a = 2 x batch x local_tokens x width x element_bytes; forward (cp-1) a, backward (cp-1) a (K/V
-    again) + cp a (dK/dV, the last send home)."""
+    a = 2 x batch x local_tokens x width x element_bytes. ring: forward (cp-1) a, backward (cp-1) a
+    (K/V again) + cp a (dK/dV, the last send home). allgather, on a ring algorithm: forward
+    (cp-1) a (the all-gather), backward (cp-1) a (the reduce-scatter of dK/dV)."""
     a = 2 * batch * local_tokens * width * element_bytes
+    if mode == "allgather":
+        return {"forward": (cp - 1) * a, "backward": (cp - 1) * a}
     return {"forward": (cp - 1) * a, "backward": (2 * cp - 1) * a}
 
 
@@ -214,14 +231,82 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     return RingAttention.apply(q, k, v, ring)
 
 
+# ----------------------------------------------------------------------------- all-gather of K/V
+
+
+def chunk_blocks(j: int, c: int) -> list[tuple[slice, bool]]:
+    """The key blocks of query chunk j over the whole sequence's keys, (keys, causal): its own
+    chunk (causal) and, after the first chunk, every earlier position (all visible)."""
+    return [(slice(j * c, (j + 1) * c), True)] + ([(slice(0, j * c), False)] if j else [])
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """parallel.cp_mode=allgather (torchtitan's choice): every rank gathers all K/V once, computes
+    its two query chunks against them, and in backward reduce-scatters dK/dV to their owners.
+    Fewer bytes than the ring ((cp-1) a forward, (cp-1) a backward), but the whole sequence's K/V
+    stay in memory per layer until backward (the ring holds its own and one visiting block)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ranks: Ring):
+        block, _ = kernels(q.device)
+        n, c = ranks.size, q.size(2) // 2
+        # every rank's (k, v), then in sequence order: rank s holds positions local_positions(s)
+        gathered = ranks.all_gather(torch.stack([k, v]))  # (cp, 2, B, H, 2c, D)
+        order = torch.cat([local_positions(2 * c * n, s, n, q.device) for s in range(n)])
+        b, h, _, d = q.shape
+        kv = gathered.new_empty((2, b, h, 2 * c * n, d)).index_copy_(3, order, torch.cat(list(gathered), 3))
+        q, out = q.contiguous(), torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty(q.shape[:3])
+        for half, j in enumerate((ranks.rank, 2 * n - 1 - ranks.rank)):
+            qs = slice(half * c, (half + 1) * c)
+            o, l = None, None
+            for ks, causal in chunk_blocks(j, c):
+                bo, bl = block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal)
+                if o is None:
+                    o, l = bo.contiguous(), bl.contiguous()
+                else:
+                    merge(o, l, bo, bl)
+            out[:, :, qs], lse[:, :, qs] = o, l
+        ctx.save_for_backward(q, kv, out, lse, order)
+        ctx.ranks = ranks
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse, order = ctx.saved_tensors
+        ranks = ctx.ranks
+        _, block_backward = kernels(q.device)
+        n, c, dout = ranks.size, q.size(2) // 2, dout.contiguous()
+        dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
+        for half, j in enumerate((ranks.rank, 2 * n - 1 - ranks.rank)):
+            qs = slice(half * c, (half + 1) * c)
+            for ks, causal in chunk_blocks(j, c):
+                bq, bk, bv = block_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                            out[:, :, qs], lse[:, :, qs], causal)
+                dq[:, :, qs] += bq
+                dkv[0][:, :, ks] += bk
+                dkv[1][:, :, ks] += bv
+        # back to rank order, (cp, 2, B, H, 2c, D); each owner receives the sum of every rank's share
+        per_rank = dkv.index_select(3, order).unflatten(3, (n, 2 * c)).movedim(3, 0).contiguous()
+        dk, dv = ranks.reduce_scatter(per_rank)
+        return dq, dk, dv, None
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: Ring) -> torch.Tensor:
+    return AllGatherAttention.apply(q, k, v, ranks)
+
+
+ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}  # parallel.cp_mode
+
+
 # ----------------------------------------------------------------------------- the runner
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Every block's attention over the ring of `cp_mesh`'s ranks (model.CausalSelfAttention)."""
-    ring = Ring(cp_mesh.get_group())
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, mode: str) -> None:
+    """Every block's attention over `cp_mesh`'s ranks (model.CausalSelfAttention), by parallel.cp_mode."""
+    ranks, attention = Ring(cp_mesh.get_group()), ATTENTION[mode]
     for block in model.blocks.values():
-        block.attn.context_parallel = lambda q, k, v: ring_attention(q, k, v, ring)
+        block.attn.context_parallel = lambda q, k, v: attention(q, k, v, ranks)
 
 
 class ContextParallelLoop(MicroBatchLoop):

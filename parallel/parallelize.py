@@ -61,7 +61,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
         for part in stages.values():
             apply_tensor_parallel(part, mesh["tp"], p.tp_vocab_parallel, p.sequence_parallel)
     if layout.cp_enabled:  # no pipeline stages under cp yet (parallel/options.py): the whole model
-        apply_context_parallel(model, mesh["cp"])
+        apply_context_parallel(model, mesh["cp"], p.cp_mode)
     # 3. activation checkpointing
     for part in stages.values():
         for block in part.blocks.values():

@@ -27,7 +27,8 @@ ATOL = 2e-6  # fp32: the ring sums the same terms as one softmax, in another ord
 
 
 class ThreadRing:
-    """cp.Ring for N threads of one process: a queue per (receiving rank, tag)."""
+    """cp.Ring for N threads of one process: a queue per (receiving rank, tag) for the ring, a
+    shared table and a barrier for all-gather and reduce-scatter."""
 
     def __init__(self, rank: int, size: int, boxes: dict):
         self.rank, self.size, self.boxes = rank, size, boxes
@@ -36,10 +37,25 @@ class ThreadRing:
         self.boxes[(self.rank + 1) % self.size, tag].put([t.clone() for t in tensors])
         return lambda: self.boxes[self.rank, tag].get(timeout=30)
 
+    def _everyone(self, t):
+        table, barrier = self.boxes["table"], self.boxes["barrier"]
+        table[self.rank] = t.clone()
+        barrier.wait()
+        every = list(table)
+        barrier.wait()  # nobody writes the next call's entry before all have read this one's
+        return every
+
+    def all_gather(self, t):
+        return torch.stack(self._everyone(t))
+
+    def reduce_scatter(self, t):
+        return sum(x[self.rank] for x in self._everyone(t))
+
 
 def run_ranks(n: int, body):
     """body(rank, ring) on n threads at once; their results in rank order (a failure re-raised)."""
     boxes = {(r, tag): queue.Queue() for r in range(n) for tag in (cpmod.KV_TAG, cpmod.DKV_TAG)}
+    boxes.update(table=[None] * n, barrier=threading.Barrier(n, timeout=30))
     results, errors = [None] * n, []
 
     def target(r):
@@ -96,8 +112,9 @@ def test_math_kernel_equals_the_fused_one_forward_and_backward():
             assert (a - b).abs().max() < ATOL
 
 
+@pytest.mark.parametrize("mode", list(cpmod.ATTENTION))
 @pytest.mark.parametrize("cp,kernel", [(2, "flash_cpu"), (4, "flash_cpu"), (3, "math")])
-def test_ring_attention_equals_causal_attention_with_its_gradients(cp, kernel, monkeypatch):
+def test_cp_attention_equals_causal_attention_with_its_gradients(cp, kernel, mode, monkeypatch):
     if kernel == "math":
         monkeypatch.setattr(cpmod, "kernels", lambda device: (cpmod.math_block, cpmod.math_block_backward))
     torch.manual_seed(2)
@@ -110,7 +127,7 @@ def test_ring_attention_equals_causal_attention_with_its_gradients(cp, kernel, m
     def rank(r, ring):
         pos = cpmod.local_positions(t, r, cp)
         mine = [x[:, :, pos].clone().requires_grad_() for x in (q, k, v)]
-        out = cpmod.ring_attention(*mine, ring)
+        out = cpmod.ATTENTION[mode](*mine, ring)
         out.backward(dout[:, :, pos])
         return pos, out.detach(), [x.grad for x in mine]
     for pos, out, grads in run_ranks(cp, rank):
@@ -123,8 +140,9 @@ def tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.0), seed=3)
 
 
+@pytest.mark.parametrize("mode", list(cpmod.ATTENTION))
 @pytest.mark.parametrize("cp", [2, 4])
-def test_a_gpt_over_cp_ranks_has_one_models_loss_and_gradients(cp):
+def test_a_gpt_over_cp_ranks_has_one_models_loss_and_gradients(cp, mode):
     """Each rank: its tokens at their global positions, the mean loss over them; the cp ranks' mean
     loss and mean gradient are one model's on the whole sequences (what the runner and DDP compute)."""
     torch.manual_seed(4)
@@ -137,7 +155,7 @@ def test_a_gpt_over_cp_ranks_has_one_models_loss_and_gradients(cp):
         model = copy.deepcopy(one)
         model.zero_grad()
         for block in model.blocks.values():
-            block.attn.context_parallel = lambda q, k, v: cpmod.ring_attention(q, k, v, ring)
+            block.attn.context_parallel = lambda q, k, v: cpmod.ATTENTION[mode](q, k, v, ring)
         pos = cpmod.local_positions(16, r, cp)
         loss = lm_loss(model(cpmod.shard_sequence(x, r, cp), positions=pos), cpmod.shard_sequence(y, r, cp))
         loss.backward()
@@ -151,7 +169,7 @@ def test_a_gpt_over_cp_ranks_has_one_models_loss_and_gradients(cp):
     def local_pos(r, ring):
         model = copy.deepcopy(one)
         for block in model.blocks.values():
-            block.attn.context_parallel = lambda q, k, v: cpmod.ring_attention(q, k, v, ring)
+            block.attn.context_parallel = lambda q, k, v: cpmod.ATTENTION[mode](q, k, v, ring)
         return lm_loss(model(cpmod.shard_sequence(x, r, cp)), cpmod.shard_sequence(y, r, cp)).item()
     assert abs(sum(run_ranks(cp, local_pos)) / cp - ref_loss.item()) > 1e-4
 
@@ -165,7 +183,7 @@ def cfg_of(*overrides: str, world: int | None = None):
 
 @pytest.mark.parametrize("overrides,needle", [
     (["parallel.cp=0"], "parallel.cp must be > 0"),
-    (["parallel.cp=2", "parallel.cp_mode=ulysses"], "parallel.cp_mode='ulysses' is not one of ring"),
+    (["parallel.cp=2", "parallel.cp_mode=ulysses"], "parallel.cp_mode='ulysses' is not one of ring, allgather"),
     (["parallel.cp_mode=ring2"], "parallel.cp_mode='ring2'"),
     (["parallel.cp=3"], "model.block_size=16 is not divisible by 2 x parallel.cp = 6"),
     (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp needs model.dropout=0"),
@@ -206,7 +224,7 @@ def test_the_planner_and_the_dry_run_refuse_cp_in_one_line(flag, capsys, tmp_pat
 
 
 def test_the_ring_sends_the_bytes_its_formula_states():
-    """What RingAttention hands to the ring per rank, forward and backward, against ring_bytes_sent."""
+    """What RingAttention hands to the ring per rank, forward and backward, against bytes_sent."""
     cp, b, h, d = 4, 2, 3, 8
     t = 4 * cp
     q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
@@ -228,6 +246,6 @@ def test_the_ring_sends_the_bytes_its_formula_states():
         ring.phase = "backward"
         out.sum().backward()
     run_ranks(cp, rank)
-    want = cpmod.ring_bytes_sent(b, t // cp, h * d, cp)
+    want = cpmod.bytes_sent("ring", b, t // cp, h * d, cp)
     for r in range(cp):
         assert {p: sent[r, p] for p in ("forward", "backward")} == want

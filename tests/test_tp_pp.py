@@ -13,12 +13,12 @@ assert_tp_fp16_tracks). Two launches cover every case:
                activation checkpointing and at tp=2 vocab-parallel + sequence-parallel; fp16 at
                tp=2, pp=2 and fsdp x pp=2 (dp=1: plain parameters, fused AdamW); Muon at pp=2
                (whole matrices) and tp=2 (gathered); cp=2 with no engine (the runner averages over
-               cp), ddp and fsdp (over the flattened dp x cp group);
+               cp), ddp and fsdp (over the flattened dp x cp group), ddp with cp_mode=allgather;
   4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), pp=4 (middle stages hold no tied copy),
                tp=2 x pp=2 (ZB-V, vocab-parallel, SP); fp16 at tp=2 x pp=2 and fsdp dp=2 x pp=2,
                Muon at dp=2 x tp=2 on a model whose rows FSDP2 splits unevenly, and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
-               process (a pp x tp snapshot resharded to pp = tp = 1); cp=4 (no engine), dp=2 x cp=2
-               with ddp and with fsdp.
+               process (a pp x tp snapshot resharded to pp = tp = 1); cp=4 (no engine; ring and
+               allgather), dp=2 x cp=2 with ddp and with fsdp (ring and allgather).
 Layout errors are checked in-process (no process group): one line, UsageError.
 """
 from __future__ import annotations
@@ -67,6 +67,7 @@ TWO = {
     "cp2_none": "parallel.strategy=none parallel.cp=2",
     "cp2_ddp": "parallel.strategy=ddp parallel.cp=2",
     "cp2_fsdp": "parallel.strategy=fsdp parallel.cp=2",
+    "cp2_allgather_ddp": "parallel.strategy=ddp parallel.cp=2 parallel.cp_mode=allgather",
 }
 # the untied head with the speedruns' model options: a pipeline with an uneven split and recomputation,
 # and tp with vocabulary and sequence parallelism (q and k normalised per head on the rank holding it)
@@ -89,6 +90,8 @@ FOUR = {
     "cp4_none": "parallel.strategy=none parallel.cp=4",
     "ddp_dp2_cp2": "parallel.strategy=ddp parallel.cp=2",
     "fsdp_dp2_cp2": "parallel.strategy=fsdp parallel.cp=2",
+    "cp4_allgather_none": "parallel.strategy=none parallel.cp=4 parallel.cp_mode=allgather",
+    "fsdp_dp2_cp2_allgather": "parallel.strategy=fsdp parallel.cp=2 parallel.cp_mode=allgather",
 }
 APP = TINY + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.save_every=10"]
 APP_MESH = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
