@@ -81,9 +81,9 @@ class Ring:
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """(cp, *t.shape): every rank's t, in cp-rank order."""
-        out = t.new_empty((self.size, *t.shape))
-        dist.all_gather_into_tensor(out, t, group=self.group)
-        return out
+        out = t.new_empty((self.size * t.size(0), *t.shape[1:]))  # gloo wants the ranks' tensors along dim 0
+        dist.all_gather_single(out, t, group=self.group)
+        return out.unflatten(0, (self.size, t.size(0)))
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """t (cp, ...): the sum over the ranks of their t[rank] (a ring's bytes on gloo too)."""
