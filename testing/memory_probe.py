@@ -68,8 +68,17 @@ def measure(repo: Path, nproc: int, overrides: list[str], timeout: float = 900, 
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(p, signal.SIGCONT)
         finally:
+            # torchrun starts each worker in a session of its own: killing the agent's group would
+            # leave them running, writing a run folder (GBs) after the temporary one is removed
+            workers = worker_pids(proc.pid)
+            for p in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            gone_by = time.monotonic() + 30  # reaped by init once the agent is gone
+            while any(Path(f"/proc/{p}").exists() for p in workers) and time.monotonic() < gone_by:
+                time.sleep(0.05)
         if len(found) < 2:
             raise RuntimeError(f"the launch ended before both readings ({sorted(found)}):\n{''.join(output[-20:])}")
         return found
