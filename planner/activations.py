@@ -45,7 +45,7 @@ def activation_model(cfg: Config, engine: Engine) -> ActivationModel:
 
 
 def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, sp: bool,
-                           checkpointed: bool) -> int:
+                           checkpointed: bool, weight_copies: bool = True) -> int:
     """Bytes one transformer block saves for backward for b sequences, on one tp rank.
 
     Per block, E = b*s*h elements, A = b*(heads/tp)*s (measured with saved_tensors_hooks):
@@ -57,7 +57,8 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
       tp: the replicated LayerNorm inputs and the Linear inputs stay whole; with sequence
       parallelism the LayerNorm inputs/stats and dropout masks are split over tp, but the
       all-gathered q/k/v and fc inputs are saved whole (DTensor keeps the gathered tensor).
-      autocast also keeps a 16-bit copy of every weight (12h^2/tp elements).
+      autocast also keeps a 16-bit copy of every weight (12h^2/tp elements; `weight_copies`
+      False leaves them out: `weight_copy_bytes`).
     Activation checkpointing keeps only the block input (E/tp with sp)."""
     s, h = g.block_size, g.n_embd
     e = b * s * h
@@ -81,21 +82,35 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
     total += 8 * e * am.matmul // tp  # GELU input and output (4h each), or ReLU's output and its square
     if g.dropout > 0:
         total += 2 * e * (am.matmul if am.cpu_masks else 1) // seq
-    if am.casts:
+    if am.casts and weight_copies:
         total += 12 * h * h * am.matmul // tp
     return total
 
 
+def weight_copy_bytes(g: GPTConfig, am: ActivationModel, blocks: int, last: bool, lay: PlannedLayout) -> int:
+    """The 16-bit copies of the weights that autocast makes and backward keeps, for a stage of
+    `blocks` blocks (+ the LM head's on the last stage). Autocast caches the cast of a parameter
+    until its outermost context ends: a pipeline step (parallel/pp.py) runs all its micro-batches
+    in one context, so each weight is cast once per step however many micro-batches are in flight
+    (found by the dry run: the per-micro-batch figure was 1.5x the measured one at 2 micro-batches);
+    the micro-batch loop (parallel/step.py) enters it per micro-batch."""
+    if not am.casts or lay.activation_checkpointing:
+        return 0
+    head = ceil_div(g.vocab_size, lay.tp if lay.tp_vocab_parallel else 1) * g.n_embd if last else 0
+    return (blocks * 12 * g.n_embd * g.n_embd // lay.tp + head) * am.matmul
+
+
 def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: int, first: bool,
-                           last: bool, lay: PlannedLayout) -> int:
+                           last: bool, lay: PlannedLayout, weight_copies: bool = True) -> int:
     """Saved-for-backward bytes of one pipeline stage (or the whole model) for one micro-batch of
     b sequences: its blocks, plus token/position ids (and the embedding dropout mask) on the
     first stage, plus ln_f, the LM head input and the loss's log-softmax (fp32, b*s*V; over
-    tp ranks with vocab-parallel loss) on the last."""
+    tp ranks with vocab-parallel loss) on the last. `weight_copies` False: without autocast's
+    weight copies (weight_copy_bytes)."""
     s, h, v = g.block_size, g.n_embd, g.vocab_size
     tp, sp = lay.tp, lay.sequence_parallel
     seq = tp if sp else 1
-    total = blocks * block_activation_bytes(g, am, b, tp, sp, lay.activation_checkpointing)
+    total = blocks * block_activation_bytes(g, am, b, tp, sp, lay.activation_checkpointing, weight_copies)
     if first:
         total += 8 * b * s + 8 * s  # token ids (the embedding's) and positions (int64)
         if g.dropout > 0:
@@ -103,7 +118,7 @@ def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: in
     if last:
         total += b * s * h * am.residual // seq + 2 * b * s * 4 // seq  # ln_f input, mean/rstd
         total += b * s * h * (am.matmul if am.casts else am.residual)  # LM head input (whole)
-        if am.casts:
+        if am.casts and weight_copies:
             total += ceil_div(v, tp if lay.tp_vocab_parallel else 1) * h * am.matmul  # weight copy
         total += 4 * b * s * ceil_div(v, tp if lay.tp_vocab_parallel else 1)  # log-softmax output
         total += 8 * b * s + 4  # targets (int64) and nll_loss's total weight
@@ -113,13 +128,18 @@ def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: in
 def rank_activation_bytes(g: GPTConfig, am: ActivationModel, lay: PlannedLayout,
                           inflight: dict[int, int]) -> tuple[int, int]:
     """(one micro-batch of each of this rank's stages, all micro-batches in flight): `inflight`
-    maps each local stage to the micro-batches whose activations are alive at the rank's peak."""
+    maps each local stage to the micro-batches whose activations are alive at the rank's peak.
+    Under a pipeline, autocast's weight copies are made once per step (weight_copy_bytes): they
+    count once in flight and 1/m per micro-batch, m the step's micro-batches."""
     per_microbatch, in_flight = 0, 0
+    pipelined = lay.pp > 1
     for s in sorted(inflight):
-        one = stage_activation_bytes(g, am, lay.micro_batch_size, lay.stage_blocks[s], s == 0,
-                                     s == lay.num_stages - 1, lay)
-        per_microbatch += one
-        in_flight += one * inflight[s]
+        blocks, first, last = lay.stage_blocks[s], s == 0, s == lay.num_stages - 1
+        one = stage_activation_bytes(g, am, lay.micro_batch_size, blocks, first, last, lay,
+                                     weight_copies=not pipelined)
+        copies = weight_copy_bytes(g, am, blocks, last, lay) if pipelined else 0
+        per_microbatch += one + round(copies / lay.microbatches)
+        in_flight += one * inflight[s] + copies
     return per_microbatch, in_flight
 
 

@@ -9,6 +9,8 @@ t ranks an all-reduce moves 2K(t-1)/t and an all-gather or reduce-scatter K(t-1)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from model import GPTConfig
 from parallel.options import Engine
 from planner.activations import ActivationModel
@@ -17,48 +19,75 @@ from planner.records import Collective, PlannedLayout
 from planner.units import ceil_div
 
 
-def _tp_calls(lay: PlannedLayout, blocks: int, first: bool, last: bool) -> tuple[int, int, str]:
-    """(all-reduces, all-gathers + reduce-scatters) of one (b, s, h) activation per micro-batch."""
+@dataclass
+class TpCalls:
+    """One micro-batch's tensor-parallel collectives of a (b, s, h) activation, by the dtype of
+    what they carry: a Linear's output and the gradient of a Linear's output have the matmul
+    dtype (16-bit under autocast); a Linear's input and its gradient have the residual stream's
+    (fp32 under autocast: DTensor redistributes the fp32 LayerNorm output before autocast casts
+    it inside the Linear, so the input gradient comes back through that cast in fp32)."""
+    all_reduce_matmul: int
+    all_reduce_residual: int
+    gather_scatter_matmul: int  # all-gathers + reduce-scatters
+    gather_scatter_residual: int
+    scatter_matmul: int  # of those, reduce-scatters (the dispatcher's reduce_scatter_tensor calls)
+    scatter_residual: int
+    what: str
+
+    @property
+    def calls(self) -> int:
+        return self.all_reduce_matmul + self.all_reduce_residual + self.gather_scatter_matmul + \
+            self.gather_scatter_residual
+
+
+def _tp_calls(lay: PlannedLayout, blocks: int, first: bool, last: bool) -> TpCalls:
+    """The tensor-parallel collectives of one micro-batch on a pp rank with `blocks` blocks."""
     vocab = lay.tp_vocab_parallel
     if not lay.sequence_parallel:
-        # forward: the row-parallel out_proj and mlp.proj outputs; backward: the input gradient
-        # of each column-parallel Linear, q, k, v (three: parallel/tp.py shards them separately)
-        # and fc: 6 all-reduces per block where Megatron's fused qkv has 4; vocabulary-parallel:
-        # the embedding's output and the LM head's input gradient (measured:
-        # benchmarks/strategy_report.py)
-        return (6 * blocks + (vocab and first) + (vocab and last), 0,
-                "all-reduce of (b, s, h): out_proj and proj outputs, q/k/v and fc input gradients")
-    # per block an all-gather before attention and MLP and a reduce-scatter after them,
-    # mirrored in backward: 8; the first stage gathers the embedding's gradient
-    # (dropout's Replicate -> Shard(1)), the last gathers the head input (vocabulary-
-    # parallel: and reduce-scatters its gradient); vocabulary-parallel embedding: 1 all-reduce
-    return (int(vocab and first), 8 * blocks + first + last + (vocab and last),
-            "all-gather + reduce-scatter of (b, s, h) around attention and MLP, forward and backward")
+        # forward: the row-parallel out_proj and mlp.proj outputs (matmul dtype); backward: the
+        # input gradient of each column-parallel Linear, q, k, v (three: parallel/tp.py shards
+        # them separately) and fc (residual dtype): 6 all-reduces per block where Megatron's
+        # fused qkv has 4; vocabulary-parallel: the embedding's output and the LM head's input
+        # gradient, both residual (measured: benchmarks/strategy_report.py, and their dtypes by
+        # the dry run under bf16 autocast, tools/dry_run.py)
+        return TpCalls(2 * blocks, 4 * blocks + (vocab and first) + (vocab and last), 0, 0, 0, 0,
+                       "all-reduce of (b, s, h): out_proj and proj outputs, q/k/v and fc input gradients")
+    # per block an all-gather of the LayerNorm output before attention and MLP (residual) and a
+    # reduce-scatter of their Linear output after them (matmul), mirrored in backward (the
+    # gathers' backward reduce-scatters residual gradients, the scatters' backward gathers matmul
+    # ones): 8; the first stage gathers the embedding's gradient (dropout's Replicate ->
+    # Shard(1)), the last gathers the head input (vocabulary-parallel: and reduce-scatters its
+    # gradient), all residual; vocabulary-parallel embedding: 1 all-reduce of its output
+    ends = first + last + (vocab and last)
+    return TpCalls(0, int(vocab and first), 4 * blocks, 4 * blocks + ends, 2 * blocks,
+                   2 * blocks + (vocab and last),
+                   "all-gather + reduce-scatter of (b, s, h) around attention and MLP, forward and backward")
 
 
 def tp_collective(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: RankTensors,
                   stages: list[int]) -> Collective:
     """Every tensor-parallel collective of one step on this pp rank, as one record (kind "tp")."""
     tp, m, b = lay.tp, lay.microbatches, lay.micro_batch_size
-    act = b * g.block_size * g.n_embd * am.matmul
+    act_m, act_r = (b * g.block_size * g.n_embd * e for e in (am.matmul, am.residual))
     first, last = 0 in stages, lay.num_stages - 1 in stages
-    ar, ag_rs, what = _tp_calls(lay, held.blocks, first, last)
+    c = _tp_calls(lay, held.blocks, first, last)
     # loss_parallel: the max, the sum of exponentials and the target logit over the vocabulary
     small = 3 * b * g.block_size * 4 if lay.tp_vocab_parallel and last else 0
     # sequence parallel: LayerNorm gradients come out of backward as Partial DTensors (each
     # rank saw T / tp positions); Strategy.forward_backward all-reduces them once
     # (parallel/dtensor.py settle_partial_grads)
     ln_grads = held.layer_norm_elems * PARAM_BYTES if lay.sequence_parallel else 0
-    payload = ((ar + ag_rs) * act + small) * m + ln_grads
-    moved = round((((2 * ar + ag_rs) * act + 2 * small) * m + 2 * ln_grads) * (tp - 1) / tp)
-    # half of sequence parallelism's gathers and scatters are reduce-scatters: after attention and
-    # the MLP in forward, and the backward of the gathers before them; + the vocabulary-parallel
-    # head input's gradient (the dispatcher counts 4L + 1 reduce_scatter_tensor calls)
-    rs = 4 * held.blocks + int(lay.tp_vocab_parallel and last) if lay.sequence_parallel else 0
-    return Collective("tp", "tp", what, payload, moved,
-                      "m bsh e (t-1)/t x (12L, or 8L with sequence parallel, + ends) + LayerNorm grads",
-                      calls=(ar + ag_rs + (3 if small else 0)) * m + (1 if ln_grads else 0),
-                      reduce_scatter_calls=rs * m, reduce_scatter_bytes=round(rs * act * m * (tp - 1) / tp))
+    all_reduced = c.all_reduce_matmul * act_m + c.all_reduce_residual * act_r
+    gathered = c.gather_scatter_matmul * act_m + c.gather_scatter_residual * act_r
+    payload = (all_reduced + gathered + small) * m + ln_grads
+    moved = round(((2 * all_reduced + gathered + 2 * small) * m + 2 * ln_grads) * (tp - 1) / tp)
+    scattered = c.scatter_matmul * act_m + c.scatter_residual * act_r
+    return Collective("tp", "tp", c.what, payload, moved,
+                      "m bsh e (t-1)/t x (12L, or 8L with sequence parallel, + ends) + LayerNorm grads; "
+                      "e: matmul dtype for Linear outputs, residual for Linear inputs",
+                      calls=(c.calls + (3 if small else 0)) * m + (1 if ln_grads else 0),
+                      reduce_scatter_calls=(c.scatter_matmul + c.scatter_residual) * m,
+                      reduce_scatter_bytes=round(scattered * m * (tp - 1) / tp))
 
 
 def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages: list[int]) -> list[Collective]:

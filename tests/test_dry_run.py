@@ -60,3 +60,15 @@ def test_hsdp_all_reduce_across_replicas_moves_the_padded_shard():
     (ar,) = [c for c in engine.collectives(held) if c.group == "dp_replicate"]
     padded_rows = sum(-(-t.shape[0] // 4) * math.prod(t.shape[1:]) for t in held)
     assert ar.payload_bytes == padded_rows * 4 and padded_rows > -(-held.elems // 4)
+
+
+def test_bf16_autocast_under_tp_and_pp_agrees_with_the_plan(capsys):
+    # found by the dry run: under autocast the backward all-reduces of tp (q/k/v and fc input
+    # gradients) carry the fp32 residual stream, not bf16 (the plan had 3/5 of the bytes), and a
+    # pipeline step casts each weight once for all its micro-batches (the plan had a copy per
+    # micro-batch): both fail this case on the planner before the fix
+    code = main(["--dry-run", "--world-size", "8", *TINY, "model.n_layer=2", "parallel.strategy=fsdp",
+                 "parallel.tp=2", "parallel.pp=2", "trainer.precision=bf16", "trainer.batch_size=8"])
+    out = capsys.readouterr().out
+    assert "world 8 = fsdp dp2 x tp2 x pp2 1f1b" in out
+    assert code == 0, out
