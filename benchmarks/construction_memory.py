@@ -4,6 +4,7 @@
     python benchmarks/construction_memory.py --case fsdp 8 parallel.strategy=fsdp
     python benchmarks/construction_memory.py --repo ../old-checkout # the same cases on another commit
     python benchmarks/construction_memory.py --malloc both --speed  # glibc's default beside the fixed threshold
+    python benchmarks/construction_memory.py --sweep               # 1, 2, 4 and 8 processes (an hour)
 
 Every case is a real `torchrun main.py` launch of a 16 x 1024 GPT (201M parameters, 805 MB in
 fp32) and of a tiny one (2 x 64) with the same layout and process count, read from outside: each
@@ -52,6 +53,24 @@ CASES = [("fsdp x8", 8, ["parallel.strategy=fsdp"]), ("zero-3 x8", 8, ["parallel
          ("ddp x2", 2, ["parallel.strategy=ddp"])]
 
 
+def sweep_cases() -> list[tuple[str, int, list[str]]]:
+    """`--sweep`: ddp, fsdp, zero-3, tp=2, pp=2 and HSDP at 1, 2, 4 and 8 processes; tp and pp
+    take the processes they leave to fsdp, HSDP replicates twice and shards over the rest. Not
+    ddp x8: 8 replicas at 4x of the 16 x 1024 model through a step (26 GB) pass this machine's
+    24 GB."""
+    cases = []
+    for n in (1, 2, 4, 8):
+        cases += [(f"ddp x{n}", n, ["parallel.strategy=ddp"])] if n < 8 else []
+        cases += [(f"fsdp x{n}", n, ["parallel.strategy=fsdp"]),
+                  (f"zero-3 x{n}", n, ["parallel.strategy=zero", "parallel.zero_stage=3"])]
+        if n >= 2:
+            rest = "fsdp" if n > 2 else "none"
+            cases += [(f"tp=2 x{n}", n, [f"parallel.strategy={rest}", "parallel.tp=2"]),
+                      (f"pp=2 x{n}", n, [f"parallel.strategy={rest}", "parallel.pp=2"]),
+                      (f"hsdp 2x{n // 2}", n, ["parallel.strategy=fsdp", "parallel.dp_replicate=2"])]
+    return cases
+
+
 def cpu_flags() -> str:
     text = Path("/proc/cpuinfo").read_text()
     model = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1)
@@ -77,13 +96,14 @@ def main() -> None:
     ap.add_argument("--repo", type=Path, default=REPO, help="the checkout whose main.py runs (default: this one)")
     ap.add_argument("--case", nargs="+", action="append", metavar=("NAME NPROC", "OVERRIDES"),
                     help="NAME NPROC OVERRIDE... (repeatable; default: the shipped cases)")
+    ap.add_argument("--sweep", action="store_true", help="the layouts at 1, 2, 4 and 8 processes (sweep_cases)")
     ap.add_argument("--malloc", choices=("fixed", "default", "both"), default="fixed",
                     help="glibc's mmap threshold: fixed at 1 MiB (what main.py sets, observe/host_memory.py), "
                          "glibc's default (MINGPT_GLIBC_MALLOC=default), or both side by side")
     ap.add_argument("--speed", action="store_true", help="also tokens/s of a 6-step fsdp x2 run, both mallocs, "
                     "alternated twice")
     args = ap.parse_args()
-    cases = [(c[0], int(c[1]), c[2:]) for c in args.case] if args.case else CASES
+    cases = [(c[0], int(c[1]), c[2:]) for c in args.case] if args.case else sweep_cases() if args.sweep else CASES
     commit = subprocess.run(["git", "-C", str(args.repo), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(f"commit {commit} | {cpu_flags()} | model 16 x 1024 = {MODEL_BYTES / 1e6:.0f} MB fp32")

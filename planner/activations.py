@@ -94,10 +94,12 @@ def weight_copy_bytes(g: GPTConfig, am: ActivationModel, blocks: int, last: bool
     in one context, so each weight is cast once per step however many micro-batches are in flight
     (found by the dry run: the per-micro-batch figure was 1.5x the measured one at 2 micro-batches);
     the micro-batch loop (parallel/step.py) enters it per micro-batch."""
-    if not am.casts or lay.activation_checkpointing:
+    if not am.casts:
         return 0
     head = ceil_div(g.vocab_size, lay.tp if lay.tp_vocab_parallel else 1) * g.n_embd if last else 0
-    return (blocks * 12 * g.n_embd * g.n_embd // lay.tp + head) * am.matmul
+    # recomputed blocks keep no copies; the head is never recomputed
+    in_blocks = 0 if lay.activation_checkpointing else blocks * 12 * g.n_embd * g.n_embd // lay.tp
+    return (in_blocks + head) * am.matmul
 
 
 def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: int, first: bool,
