@@ -2,7 +2,10 @@
 segments, each launch resuming the previous launch's snapshot with a different layout:
 
     ddp x2 -> ddp x1 -> fsdp x2 (strategy switch) -> hsdp 2x2 (x4) -> tp=2
-    -> none x1 (tp=2 -> tp=1) -> zero-2 x2 -> pp=2 -> none x1
+    -> none x1 (tp=2 -> tp=1) -> zero-2 x2 -> pp=2 -> cp=2 (x2) -> fsdp dp2 x cp2 (x4) -> none x1
+
+(cp splits each sequence and changes no model state: its segments resume another cp and another
+world size in the same data order.)
 
 (zero-3 is FSDP2 with fsdp's defaults: its segments would repeat the fsdp ones. A sharded snapshot
 grows 2 -> 4 and shrinks 4 -> 2; each launch of four processes costs ~20 s on 2 cores.)
@@ -39,6 +42,8 @@ CHAIN = [
     (1, ["parallel.strategy=none"]),
     (2, ["parallel.strategy=zero", "parallel.zero_stage=2"]),
     (2, ["parallel.strategy=none", "parallel.pp=2"]),
+    (2, ["parallel.strategy=none", "parallel.cp=2"]),
+    (4, ["parallel.strategy=fsdp", "parallel.cp=2"]),  # dp 2 x cp 2
     (1, ["parallel.strategy=none"]),
 ]
 
