@@ -72,3 +72,18 @@ def test_bf16_autocast_under_tp_and_pp_agrees_with_the_plan(capsys):
     out = capsys.readouterr().out
     assert "world 8 = fsdp dp2 x tp2 x pp2 1f1b" in out
     assert code == 0, out
+
+
+def test_zero_1_and_2_move_every_tensor_padded_to_n_equal_chunks():
+    # found by the dry run's sweep (zero-1 at 512 ranks: 1.7149 MB measured, 1.6827 MB planned):
+    # parallel/zero_shard.py pads each flattened tensor to n chunks of ceil(numel / n)
+    for stage in (1, 2):
+        cfg = load_config(None, [*TINY, "parallel.strategy=zero", f"parallel.zero_stage={stage}",
+                                 "trainer.batch_size=512"])
+        lay = check_layout(cfg, 512)
+        held = held_tensors(gpt_config(cfg, 65), lay)[0]
+        engine = planner.engines.engine_costs(lay, cfg.parallel)
+        padded = sum(math.ceil(math.prod(t.spec.shape) / 512) for t in held) * 512 * 4
+        assert padded > held.elems * 4
+        for c in engine.collectives(held):
+            assert c.payload_bytes == padded * (lay.microbatches if c.kind == "reduce-scatter" and stage == 2 else 1)
