@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,8 +37,10 @@ COMMON = [f"data.path={CORPUS}", "data.truncate=200000", "model.block_size=64", 
           "trainer.micro_batch_size=1", "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0",
           "trainer.save_every=0", "trainer.sample_tokens=0", "wandb.enabled=false", "trainer.hang_timeout_s=0",
           "optimizer.warmup_steps=1"]
-# a worker's first act: join its own capped group (LOCAL_RANK is torchrun's), then become main.py
-ENTER = 'echo $$ > "$MINGPT_CAP_GROUP/rank$LOCAL_RANK/cgroup.procs" && exec "$0" "$@"'
+# a worker's first act: join its own capped group (LOCAL_RANK is torchrun's), then become main.py.
+# Writing 0 to cgroup.procs moves the writer itself; `$$` would not do: torchrun substitutes its
+# arguments as string.Template macros, which turns `$$` into `$`
+ENTER = 'echo 0 > "$MINGPT_CAP_GROUP/rank$LOCAL_RANK/cgroup.procs" && exec "$0" "$@"'
 
 
 def own_memory_cgroup() -> Path:
@@ -59,7 +62,7 @@ def main() -> None:
     ap.add_argument("--cap-gb", type=float, default=2.0, help="each worker's memory limit, GB (1e9 bytes)")
     ap.add_argument("overrides", nargs="*", default=["parallel.strategy=fsdp"], help="config overrides (the layout)")
     args = ap.parse_args()
-    if "SwapTotal:        0 kB" not in Path("/proc/meminfo").read_text():
+    if not re.search(r"^SwapTotal:\s+0 kB$", Path("/proc/meminfo").read_text(), re.M):
         print("note: this machine has swap; a worker over its cap may swap rather than be killed")
     cap = int(args.cap_gb * 1e9)
     commit = subprocess.run(["git", "-C", str(args.repo), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -87,10 +90,11 @@ def main() -> None:
             print(f"worker {rank}: peak {int(read(g, 'memory.max_usage_in_bytes')) / 1e9:.2f} GB "
                   f"({int(read(g, 'memory.max_usage_in_bytes')) / MODEL_BYTES:.2f}x the model), "
                   f"hit the cap {read(g, 'memory.failcnt')} times, OOM kills {oom}")
-        steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
-        print(f"exit {r.returncode} after {seconds:.0f} s; {len(steps)} step lines; model.pt written: {wrote}")
+        done = next((line for line in (r.stdout + r.stderr).splitlines() if line.startswith("done:")), "no 'done:' line")
+        print(f"exit {r.returncode} after {seconds:.0f} s; {done}; model.pt written: {wrote}")
         if r.returncode:
-            print("last output:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-15:]))
+            errors = [line for line in (r.stdout + r.stderr).splitlines() if "rror" in line or "Killed" in line]
+            print("last output:\n" + "\n".join((errors or (r.stdout + r.stderr).splitlines())[-15:]))
     finally:
         for g in [*groups, parent]:
             with contextlib.suppress(OSError):
