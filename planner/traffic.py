@@ -50,7 +50,11 @@ def _tp_calls(lay: PlannedLayout, blocks: int, first: bool, last: bool) -> TpCal
         # fused qkv has 4; vocabulary-parallel: the embedding's output and the LM head's input
         # gradient, both residual (measured: benchmarks/strategy_report.py, and their dtypes by
         # the dry run under bf16 autocast, tools/dry_run.py)
-        return TpCalls(2 * blocks, 4 * blocks + (vocab and first) + (vocab and last), 0, 0, 0, 0,
+        # activation checkpointing: backward recomputes each block's forward up to its last saved
+        # tensor (torch's non-reentrant checkpoint stops early), so out_proj's all-reduce again,
+        # not proj's (found by the dry-run sweep)
+        again = blocks if lay.activation_checkpointing else 0
+        return TpCalls(2 * blocks + again, 4 * blocks + (vocab and first) + (vocab and last), 0, 0, 0, 0,
                        "all-reduce of (b, s, h): out_proj and proj outputs, q/k/v and fc input gradients")
     # per block an all-gather of the LayerNorm output before attention and MLP (residual) and a
     # reduce-scatter of their Linear output after them (matmul), mirrored in backward (the
@@ -59,7 +63,11 @@ def _tp_calls(lay: PlannedLayout, blocks: int, first: bool, last: bool) -> TpCal
     # Shard(1)), the last gathers the head input (vocabulary-parallel: and reduce-scatters its
     # gradient), all residual; vocabulary-parallel embedding: 1 all-reduce of its output
     ends = first + last + (vocab and last)
-    return TpCalls(0, int(vocab and first), 4 * blocks, 4 * blocks + ends, 2 * blocks,
+    # activation checkpointing: the recomputed forward gathers both LayerNorm outputs again and
+    # reduce-scatters attention's output, but stops before the MLP's reduce-scatter (its output
+    # is not saved): + 2 residual gathers and 1 matmul scatter per block
+    again = blocks if lay.activation_checkpointing else 0
+    return TpCalls(0, int(vocab and first), 4 * blocks + again, 4 * blocks + ends + 2 * again, 2 * blocks + again,
                    2 * blocks + (vocab and last),
                    "all-gather + reduce-scatter of (b, s, h) around attention and MLP, forward and backward")
 
