@@ -71,13 +71,22 @@ def construction_bytes(held: RankTensors, engine: EngineCosts, state: ModelState
     """(device, host) peak bytes on one rank while the model is built and loaded (launch/build.py,
     parallel/materialize.py). The GPT is made on the meta device, split and sharded there; then the
     rank allocates its share of the fp32 parameters on its device (`state.params`: sharded by
-    FSDP2/zero-3, whole replicas under ddp and ZeRO-1/2; none under cpu_offload), and DDP its
-    gradient buckets when it wraps the replica (+ 4a). Each parameter is filled from its whole
+    FSDP2/zero-3, whole replicas under ddp and ZeRO-1/2; none under cpu_offload). `to_empty`
+    allocates a tied embedding once per module that names it, so a module holding both the
+    embedding and the head tied to it briefly holds the rank's share of it twice until they are
+    tied again; DDP allocates its gradient buckets (4a) after that, when it wraps the replica:
+    device = params + max(tied share, buckets). Each parameter is filled from its whole
     initial value (its generator's, or init_from's tensor read from a memory-mapped file), made in
     host memory one parameter at a time and dropped: the host's peak is the largest whole parameter
-    this rank holds a slice of. On a CPU the two are one memory: they add."""
+    this rank holds a slice of. On a CPU the two are one memory: they add. (The dry run measures
+    both: tools/dry_run.py.)"""
     buckets = held.elems * PARAM_BYTES if isinstance(engine, DDPCosts) and engine.ranks > 1 else 0
-    return state.params + buckets, max((numel(t.spec.shape) for t in held), default=0) * PARAM_BYTES
+    names = {t.spec.name for t in held}
+    twice = [t for t in held if t.spec.name == "tok_emb.weight"] \
+        if state.params and "lm_head.weight" not in names and any(t.spec.where == "head" for t in held) else []
+    tied = sum(engine._elems(t.shape, engine.shards_params) for t in twice) * PARAM_BYTES
+    whole = max((numel(t.spec.shape) for t in held), default=0) * PARAM_BYTES
+    return state.params + max(buckets, tied), whole
 
 
 def rank_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: EngineCosts,

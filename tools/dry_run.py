@@ -103,14 +103,16 @@ def predictions(cfg: Config, lay: PlannedLayout, vocab: int) -> list[tuple[dict[
         for c in rank_collectives(g, lay, am, engine, held, sorted(inflight[r])):
             moved[c.kind] = moved.get(c.kind, 0) + c.moved_bytes
         out.append(({"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-                     "activations": mem.activations_per_microbatch}, moved))
+                     "activations": mem.activations_per_microbatch, "construction": mem.construction,
+                     "construction host": mem.construction_host}, moved))
     return out
 
 
 def compare(m: RankMeasurement, planned: tuple[dict[str, int], dict[str, int]], lay: PlannedLayout) -> list[Figure]:
     memory, moved = planned
     at_most = m.coordinate[1] != 0 or m.coordinate[2] != 0
-    measured = {**m.held, "activations": m.activations_per_microbatch}
+    measured = {**m.held, "activations": m.activations_per_microbatch, "construction": m.construction,
+                "construction host": m.construction_host}
     figures = [Figure(k, memory[k], measured.get(k, 0), at_most) for k in memory]
     got: dict[str, float] = {}
     for c in m.calls:
