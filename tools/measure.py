@@ -169,8 +169,10 @@ class AllocationPeak(TorchDispatchMode):
     torch keeps for as long as the storage lives (fake storages too). Meta tensors hold no memory;
     DTensors are counted by their local tensors (the mode steps aside for DTensor operations, as
     CollectiveCounter does). What `host(fn)` allocates while it runs is host memory; the rest is
-    the device's. Not counted: storages alive before the mode was entered, and what `apart(fn)`
-    allocates (with the views of it: its storages are tracked as "apart")."""
+    the device's. Not counted: storages alive before the mode was entered, integer tensors (the
+    bookkeeping of DeviceMesh's rank tables and DTensor's shard offsets, a few bytes per rank of the
+    world, on the CPU; a model's tensors are floating point), and what `apart(fn)` allocates (with
+    the views of it: its storages are tracked as "apart")."""
 
     def __init__(self):
         super().__init__()
@@ -207,7 +209,8 @@ class AllocationPeak(TorchDispatchMode):
             return NotImplemented  # DTensor runs the operation on its local tensors, seen here
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.device.type != "meta" \
+                    and t.is_floating_point():
                 self._count(t.untyped_storage())
         return out
 
