@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 import parallel.parallelize
@@ -36,17 +37,19 @@ def test_a_planted_disagreement_exits_1_naming_rank_category_and_figures(capsys,
     assert "disagreement: rank 0 (pp 0, dp 0, tp 0) optimizer: planned 4.9 MB, measured 3.3 MB" in out
 
 
-def test_each_rank_s_construction_is_measured_and_agrees_with_the_plan(capsys, tmp_path):
-    # fsdp on 4 ranks, the head tied to the embedding: each rank allocates a quarter of the model
-    # (its FSDP2 shards, the tied matrix's twice while to_empty runs) and one whole initial value
-    # at a time in host memory
-    code = main(["--dry-run", "--world-size", "4", *TINY, "parallel.strategy=fsdp", "--plan-json",
-                 str(tmp_path / "dry.json")])
+@pytest.mark.parametrize("tied", ["true", "false"])
+def test_each_rank_s_construction_is_measured_and_agrees_with_the_plan(tied, capsys, tmp_path):
+    # fsdp on 4 ranks: each allocates a quarter of the model and one whole initial value at a time
+    # in host memory; on top, rank 0 the tied matrix's share twice while to_empty runs, and
+    # untied, rank 3 (14 of 17 rows of the 65-row vocabulary matrices) its padded copy of the head
+    code = main(["--dry-run", "--world-size", "4", *TINY, "parallel.strategy=fsdp", f"model.tie_weights={tied}",
+                 "--plan-json", str(tmp_path / "dry.json")])
     assert code == 0, capsys.readouterr().out
     model_bytes = 4 * (8 * (12 * 64 ** 2 + 13 * 64) + (65 + 64) * 64 + 2 * 64)  # 8 blocks, embeddings, ln_f
     for rank in json.loads((tmp_path / "dry.json").read_text())["ranks"]:
         built = {f["category"]: f for f in rank["figures"] if f["category"].startswith("construction")}
         assert 0.25 * model_bytes < built["construction"]["measured"] < 0.3 * model_bytes, built
+        assert built["construction"]["measured"] == built["construction"]["planned"], built
         assert built["construction host"]["measured"] == 4 * 64 * 64 * 4, built  # an MLP matrix, the largest whole value
 
 
@@ -63,7 +66,7 @@ def test_a_rank_that_materialises_the_whole_model_disagrees_on_construction(caps
     assert code == 1
     assert [line for line in out.splitlines() if line.startswith("disagreement")] == [
         "disagreement: rank 0 (pp 0, dp 0, tp 0) construction: planned 412.8 kB, measured 2.0 MB",
-        "disagreement: rank 3 (pp 0, dp 3, tp 0) construction: planned 412.8 kB, measured 2.0 MB"], out
+        "disagreement: rank 3 (pp 0, dp 3, tp 0) construction: planned 412.0 kB, measured 2.0 MB"], out
 
 
 def test_a_layout_the_launch_refuses_exits_2(capsys):
