@@ -1,13 +1,19 @@
 """One simulated rank of a launch of any world size, in this process: torch's fake process group
 (every collective returns at once, moving nothing) and FakeTensorMode (tensors with shapes,
-dtypes and storages, but no data), with the real Layout, DeviceMesh, model, parallelize, strategy
-and Trainer (`build_rank`), measured through one whole optimizer step (`measure_rank`).
+dtypes and storages, but no data), with the real Layout, DeviceMesh, model construction (meta,
+then this rank's share: launch/build.py place_model, its allocations measured), parallelize,
+strategy and Trainer (`build_rank`), measured through one whole optimizer step (`measure_rank`).
 
 The seams, each the smallest that lets the real code run on fake tensors (docs/planner.md lists
 what they leave uncovered):
 - the DeviceMesh computes its coordinates from a real tensor of ranks: it is built outside
   FakeTensorMode (FSDP2 builds meshes too, under tp, so DeviceMesh.__init__ leaves the mode for
-  as long as it runs: `fake_world`);
+  as long as it runs: `fake_world`); so does DTensor's shard arithmetic in materialize;
+- the model's meta phase runs on real meta tensors, as in a launch, and the fake mode is on again
+  from materialize on (`_place_model`);
+- what no launch allocates is left out of the construction's bytes (AllocationPeak.apart): the
+  tensors DTensor's sharding propagation makes on the fake mode (its own fake mode in a launch)
+  and the static pipeline-stage examples;
 - object collectives (the tracker's peak label, a pipeline's merged dicts, DCP's gathers) pickle
   into tensors the fake group never fills: inside `fake_world` every rank gets its own object back
   (what every rank of a real launch computes from the same config);
