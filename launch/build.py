@@ -2,7 +2,7 @@
 tokenizer, model, then optimizer, schedule, scaler, snapshots, peak, profiler and guards, in that order.
 
 `build_parts` is shared by main.py (launch/app.py) and, through `build_trainer`, the parity tests,
-so both build runs the same way; `assemble` also by the dry run.
+so both build runs the same way; `place_model` and `assemble` also by the dry run.
 `fallback_corpus` handles the one case where the corpus decides the run folder: the default
 run_dir with a URL corpus that, offline, falls back to the standard library's text.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from model import GPT, GPTConfig, ModelCost, initial_tensor
 from observe.perf import Peak, set_fp32_matmul_mode
 from observe.profiling import StepProfiler
 from parallel.env import DistEnv
+from parallel.materialize import InitialValue
 from parallel.registry import build_strategy
 from parallel.strategy import Strategy
 from snapshots.store import SnapshotManager
@@ -55,12 +57,21 @@ def build_parts(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str
     if source is not None:
         stored = check_tokenizer(source, cfg.data.tokenizer, stored)
     data, tok, data_source = _open_data(cfg, env, stored, corpus, source)
-    # ---- model: built on the meta device (no storage); the strategy splits and shards it, then
-    # allocates this rank's share and fills it (parallel/materialize.py) from the seed or the file
     gpt_cfg = GPTConfig.of(cfg.model, tok.vocab_size)
+    cost = place_model(strategy, gpt_cfg, cfg.trainer.seed, source)
+    return assemble(cfg, data, tok, strategy, run_dir, dataclasses.asdict(gpt_cfg), cost, snapshots,
+                    resume_from=resume_from, data_source=data_source, init_from=_path_of(source))
+
+
+def place_model(strategy: Strategy, gpt_cfg: GPTConfig, seed: int, source: Source | None = None,
+                watch_initial: Callable[[InitialValue], InitialValue] | None = None) -> ModelCost:
+    """Collective. The model built on the meta device (no storage); the strategy splits and shards
+    it, then allocates this rank's share and fills it (parallel/materialize.py) from the seed or
+    `source`'s file. Returns what the whole model costs. Also the dry run's (tools/fake_world.py),
+    which measures this on fake tensors: `watch_initial` wraps the initial-value function (the
+    dry run counts what it allocates as host memory)."""
     with torch.device("meta"):
         model = GPT(gpt_cfg)
-    seed = cfg.trainer.seed
     if source is not None:
         check_shape(source, gpt_cfg)
         weights = initial_weights(model, source)
@@ -68,10 +79,9 @@ def build_parts(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str
     else:
         initial = lambda part, name: initial_tensor(part, name, seed)  # noqa: E731
     cost = model.cost()  # the whole model, before the strategy splits it
-    strategy.setup(model, initial)
-    seed_rng(cfg.trainer.seed, 0, strategy.dp_rank)  # dropout: per dp rank, shared by tp peers
-    return assemble(cfg, data, tok, strategy, run_dir, dataclasses.asdict(gpt_cfg), cost, snapshots,
-                    resume_from=resume_from, data_source=data_source, init_from=_path_of(source))
+    strategy.setup(model, watch_initial(initial) if watch_initial else initial)
+    seed_rng(seed, 0, strategy.dp_rank)  # dropout: per dp rank, shared by tp peers
+    return cost
 
 
 def start_from(cfg: Config, snapshots: SnapshotManager) -> tuple[tuple[Path, dict] | None, Source | None]:

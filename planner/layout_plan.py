@@ -67,17 +67,46 @@ def rank_memory(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: E
                       construction_host=built_host)
 
 
-def construction_bytes(held: RankTensors, engine: EngineCosts, state: ModelState) -> tuple[int, int]:
+def construction_bytes(held: RankTensors, engine: EngineCosts, state: ModelState,
+                       shard_index: int | None = None) -> tuple[int, int]:
     """(device, host) peak bytes on one rank while the model is built and loaded (launch/build.py,
-    parallel/materialize.py). The GPT is made on the meta device, split and sharded there; then the
-    rank allocates its share of the fp32 parameters on its device (`state.params`: sharded by
-    FSDP2/zero-3, whole replicas under ddp and ZeRO-1/2; none under cpu_offload), and DDP its
-    gradient buckets when it wraps the replica (+ 4a). Each parameter is filled from its whole
-    initial value (its generator's, or init_from's tensor read from a memory-mapped file), made in
-    host memory one parameter at a time and dropped: the host's peak is the largest whole parameter
-    this rank holds a slice of. On a CPU the two are one memory: they add."""
+    parallel/materialize.py); the dry run measures both (tools/dry_run.py). The GPT is made on the
+    meta device, split and sharded there; then the rank allocates its share of the fp32 parameters
+    on its device (`state.params`: sharded by FSDP2/zero-3, whole replicas under ddp and ZeRO-1/2;
+    none under cpu_offload), and briefly one more tensor's share on top of it, the largest of:
+    - a tied embedding: `to_empty` allocates it once per module that names it, so a module holding
+      the embedding and the head tied to it holds the rank's share twice until they are tied again;
+    - FSDP2's padding: a rank holding a partial dim-0 chunk (fewer than ceil(dim0 / n) rows) gets
+      a padded buffer, filled while the chunk is still alive (FSDPParam.reset_sharded_param);
+    - DDP's gradient buckets (4a), allocated after both, when it wraps the replica.
+    At `shard_index` (the rank's position among the engine's sharding ranks), or the most any
+    position holds. Each parameter is filled from its whole initial value (its generator's, or
+    init_from's tensor read from a memory-mapped file), made in host memory one parameter at a time
+    and dropped: the host's peak is the largest whole parameter this rank holds a slice of. On a
+    CPU the two are one memory: they add."""
     buckets = held.elems * PARAM_BYTES if isinstance(engine, DDPCosts) and engine.ranks > 1 else 0
-    return state.params + buckets, max((numel(t.spec.shape) for t in held), default=0) * PARAM_BYTES
+    names = {t.spec.name for t in held}
+    twice = [t for t in held if t.spec.name == "tok_emb.weight"] \
+        if state.params and "lm_head.weight" not in names and any(t.spec.where == "head" for t in held) else []
+    chunked = bool(state.params) and engine.shards_params and engine.ranks > 1  # FSDP2's dim-0 chunks
+
+    def rows(dim0: int, i: int) -> int:  # rows of a dim-0 chunk at position i (torch.chunk's)
+        c = -(-dim0 // engine.ranks)
+        return max(0, min(c, dim0 - i * c))
+
+    def local(t, i: int) -> int:  # elements position i allocates for t in to_empty
+        return rows(t.shape[0], i) * numel(t.shape[1:]) if chunked else t.elems
+
+    def repadded(t, i: int) -> int:
+        return local(t, i) if chunked and 0 < rows(t.shape[0], i) < rows(t.shape[0], 0) else 0
+
+    def on_top(i: int) -> int:
+        return max([buckets] + [local(t, i) * PARAM_BYTES for t in twice]
+                   + [repadded(t, i) * PARAM_BYTES for t in held])
+    # the positions that hold the most: the first, and each tensor's one partial chunk
+    partial = {t.shape[0] // rows(t.shape[0], 0) for t in held if chunked and t.shape[0]}
+    extra = on_top(shard_index) if shard_index is not None else max(on_top(i) for i in {0} | partial)
+    return state.params + extra, max((numel(t.spec.shape) for t in held), default=0) * PARAM_BYTES
 
 
 def rank_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: EngineCosts,

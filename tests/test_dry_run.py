@@ -2,8 +2,13 @@
 ranks of any world size in this process, beside the planner's prediction."""
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
+import torch
+
+import parallel.parallelize
 import planner.engines
 from checks import load_config
 from main import main
@@ -30,6 +35,38 @@ def test_a_planted_disagreement_exits_1_naming_rank_category_and_figures(capsys,
     out = capsys.readouterr().out
     assert code == 1
     assert "disagreement: rank 0 (pp 0, dp 0, tp 0) optimizer: planned 4.9 MB, measured 3.3 MB" in out
+
+
+@pytest.mark.parametrize("tied", ["true", "false"])
+def test_each_rank_s_construction_is_measured_and_agrees_with_the_plan(tied, capsys, tmp_path):
+    # fsdp on 4 ranks: each allocates a quarter of the model and one whole initial value at a time
+    # in host memory; on top, rank 0 the tied matrix's share twice while to_empty runs, and
+    # untied, rank 3 (14 of 17 rows of the 65-row vocabulary matrices) its padded copy of the head
+    code = main(["--dry-run", "--world-size", "4", *TINY, "parallel.strategy=fsdp", f"model.tie_weights={tied}",
+                 "--plan-json", str(tmp_path / "dry.json")])
+    assert code == 0, capsys.readouterr().out
+    model_bytes = 4 * (8 * (12 * 64 ** 2 + 13 * 64) + (65 + 64) * 64 + 2 * 64)  # 8 blocks, embeddings, ln_f
+    for rank in json.loads((tmp_path / "dry.json").read_text())["ranks"]:
+        built = {f["category"]: f for f in rank["figures"] if f["category"].startswith("construction")}
+        assert 0.25 * model_bytes < built["construction"]["measured"] < 0.3 * model_bytes, built
+        assert built["construction"]["measured"] == built["construction"]["planned"], built
+        assert built["construction host"]["measured"] == 4 * 64 * 64 * 4, built  # an MLP matrix, the largest whole value
+
+
+def test_a_rank_that_materialises_the_whole_model_disagrees_on_construction(capsys, monkeypatch):
+    real = parallel.parallelize.materialize
+
+    def whole_first(parts, device, initial):  # the whole model on the device, then the share
+        whole = [torch.empty(p.shape, device=device) for part in parts for p in part.parameters()]
+        real(parts, device, initial)
+        del whole
+    monkeypatch.setattr(parallel.parallelize, "materialize", whole_first)
+    code = main(["--dry-run", "--world-size", "4", *TINY, "parallel.strategy=fsdp"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert [line for line in out.splitlines() if line.startswith("disagreement")] == [
+        "disagreement: rank 0 (pp 0, dp 0, tp 0) construction: planned 412.8 kB, measured 2.0 MB",
+        "disagreement: rank 3 (pp 0, dp 3, tp 0) construction: planned 412.0 kB, measured 2.0 MB"], out
 
 
 def test_a_layout_the_launch_refuses_exits_2(capsys):

@@ -80,9 +80,11 @@ def test_zero_formulas_and_ring_volumes(tmp_path):
 
 def test_construction_is_the_ranks_share_on_the_device_and_one_whole_parameter_on_the_host(tmp_path):
     """While the model is built and loaded, a rank allocates its share of the fp32 parameters on
-    its device (+ DDP's buckets, which it allocates at wrap time) and makes one parameter's whole
-    initial value at a time in host memory (launch/build.py, parallel/materialize.py): fsdp on 8
-    ranks never holds the whole model, ddp holds its replica; the step's peak is never below it."""
+    its device (+ DDP's buckets, which it allocates at wrap time; before that, to_empty allocates the
+    tied embedding twice, the embedding's and the head's, until they are tied again) and makes one
+    parameter's whole initial value at a time in host memory (launch/build.py,
+    parallel/materialize.py): fsdp on 8 ranks never holds the whole model, ddp holds its replica;
+    the step's peak is never below it. The dry run measures these (tests/test_dry_run.py)."""
     n = 4
     shapes = {"ddp": ["parallel.strategy=ddp"], "zero-1": ["parallel.strategy=zero", "parallel.zero_stage=1"],
               "fsdp": ["parallel.strategy=fsdp"], "tp": ["parallel.strategy=none", "parallel.tp=4",
@@ -95,7 +97,9 @@ def test_construction_is_the_ranks_share_on_the_device_and_one_whole_parameter_o
         whole = 4 * max(planner.numel(t.shape) for t in inv)
         lp = planner.plan_layout(cfg, g, planner.check_layout(cfg, n), True, None)
         mem = lp.memory
-        device = {"ddp": 4 * a + 4 * a, "zero-1": 4 * a, "fsdp": mem.params, "tp": mem.params}[name]
+        emb = 4 * g.vocab_size * g.n_embd  # the tied embedding: whole under zero-1 and tp (not vocab-parallel)
+        device = {"ddp": 4 * a + 4 * a, "zero-1": 4 * a + emb, "fsdp": mem.params + emb // n,
+                  "tp": mem.params + emb}[name]
         if name == "fsdp":  # an eighth of the model, and FSDP2's padded dim-0 rows (ceil(dim0 / n))
             assert 4 * a // n <= mem.params < 1.02 * 4 * a // n
         assert (mem.construction, mem.construction_host) == (device, whole), name

@@ -5,23 +5,28 @@ prediction for the same ranks.
 Roles: one pp rank per distinct set of stages (first, middle and last stage, and any stage with
 another block count), each at the first and the last dp and tp position (the last ones hold the
 shorter chunks of an uneven split). Per simulated rank it compares parameters, gradients and
-Adam state (Strategy.resident_bytes), bytes saved for backward per micro-batch (SavedBytes) and
-bytes moved per collective kind (CollectiveCounter, ring volumes; the gradient norm's small
-reductions are listed, not compared) with `planner`'s figures of that pp rank. The planner
-predicts the fullest position (dp 0, tp 0): there a figure must agree within 1% both ways; at the
-last positions it must not exceed the prediction by more than 1%. Exit 0 when every figure
+Adam state (Strategy.resident_bytes), bytes saved for backward per micro-batch (SavedBytes), the
+peak bytes allocated while the model was built, on the device and in host memory (AllocationPeak:
+"construction", "construction host") and bytes moved per collective kind (CollectiveCounter, ring
+volumes; the gradient norm's small reductions are listed, not compared) with `planner`'s figures
+of that pp rank. The planner predicts the fullest position (dp 0, tp 0): there a figure must agree
+within 1% both ways; at the last positions it must not exceed the prediction by more than 1%. The
+construction is the planner's figure of the rank's own sharding position (FSDP2's padded copy of
+a partial chunk makes a later position the fullest one). Exit 0 when every figure
 agrees, 1 naming each disagreement (rank, category, both figures); a layout the launch's checks
 refuse is a UsageError (exit 2), as training would refuse it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from config import Config, UsageError
 from parallel.layout import Layout
@@ -29,7 +34,7 @@ from planner.activations import activation_model
 from planner.alternatives import check_layout, refuse_unplanned_optimizer
 from planner.engines import engine_costs
 from planner.inventory import gpt_config, held_tensors, vocab_size
-from planner.layout_plan import rank_collectives, rank_memory
+from planner.layout_plan import construction_bytes, rank_collectives, rank_memory
 from planner.records import PlannedLayout
 from planner.schedule import inflight_per_stage
 from planner.units import fmt_bytes
@@ -41,7 +46,7 @@ TOLERANCE = 0.01  # a figure further than 1% from the planner's is a disagreemen
 
 @dataclass
 class Figure:
-    category: str  # params | grads | optimizer | activations | moved <kind>
+    category: str  # params | grads | optimizer | activations | construction | construction host | moved <kind>
     planned: float
     measured: float
     at_most: bool  # a last dp/tp position: the planner's figure is the fullest position's, an upper bound
@@ -90,9 +95,11 @@ def role_ranks(lay: Layout) -> list[int]:
     return sorted({lay.rank_of(p, d, t) for p in pp_ranks for d in {0, lay.dp - 1} for t in {0, lay.tp - 1}})
 
 
-def predictions(cfg: Config, lay: PlannedLayout, vocab: int) -> list[tuple[dict[str, int], dict[str, int]]]:
-    """Per pp rank, the planner's (memory by category, bytes moved by collective kind), as
-    planner.layout_plan.plan_layout computes them for every pp rank."""
+def predictions(cfg: Config, lay: PlannedLayout, vocab: int) -> list[tuple[dict[str, int], dict[str, int], Callable]]:
+    """Per pp rank, the planner's (memory by category, bytes moved by collective kind, construction
+    bytes at a sharding position), as planner.layout_plan.plan_layout computes them for every pp
+    rank. The construction's fullest position is not always the first (FSDP2 pads a partial chunk
+    into a new buffer): each simulated rank is compared with the planner's figure of its position."""
     g = gpt_config(cfg, vocab)
     engine, am = engine_costs(lay, cfg.parallel), activation_model(cfg, lay.strategy)
     inflight = inflight_per_stage(lay) if lay.pp > 1 else [{0: 1}]
@@ -103,14 +110,18 @@ def predictions(cfg: Config, lay: PlannedLayout, vocab: int) -> list[tuple[dict[
         for c in rank_collectives(g, lay, am, engine, held, sorted(inflight[r])):
             moved[c.kind] = moved.get(c.kind, 0) + c.moved_bytes
         out.append(({"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-                     "activations": mem.activations_per_microbatch}, moved))
+                     "activations": mem.activations_per_microbatch, "construction": mem.construction,
+                     "construction host": mem.construction_host}, moved,
+                    functools.partial(construction_bytes, held, engine, engine.model_state(held))))
     return out
 
 
-def compare(m: RankMeasurement, planned: tuple[dict[str, int], dict[str, int]], lay: PlannedLayout) -> list[Figure]:
-    memory, moved = planned
+def compare(m: RankMeasurement, planned: tuple[dict[str, int], dict[str, int], Callable], lay: PlannedLayout) -> list[Figure]:
+    memory, moved, built_at = planned
+    memory = {**memory, "construction": built_at(m.coordinate[1] % lay.dp_shard)[0]}
     at_most = m.coordinate[1] != 0 or m.coordinate[2] != 0
-    measured = {**m.held, "activations": m.activations_per_microbatch}
+    measured = {**m.held, "activations": m.activations_per_microbatch, "construction": m.construction,
+                "construction host": m.construction_host}
     figures = [Figure(k, memory[k], measured.get(k, 0), at_most) for k in memory]
     got: dict[str, float] = {}
     for c in m.calls:

@@ -1,13 +1,19 @@
 """One simulated rank of a launch of any world size, in this process: torch's fake process group
 (every collective returns at once, moving nothing) and FakeTensorMode (tensors with shapes,
-dtypes and storages, but no data), with the real Layout, DeviceMesh, model, parallelize, strategy
-and Trainer (`build_rank`), measured through one whole optimizer step (`measure_rank`).
+dtypes and storages, but no data), with the real Layout, DeviceMesh, model construction (meta,
+then this rank's share: launch/build.py place_model, its allocations measured), parallelize,
+strategy and Trainer (`build_rank`), measured through one whole optimizer step (`measure_rank`).
 
 The seams, each the smallest that lets the real code run on fake tensors (docs/planner.md lists
 what they leave uncovered):
 - the DeviceMesh computes its coordinates from a real tensor of ranks: it is built outside
   FakeTensorMode (FSDP2 builds meshes too, under tp, so DeviceMesh.__init__ leaves the mode for
-  as long as it runs: `fake_world`);
+  as long as it runs: `fake_world`); so does DTensor's shard arithmetic in materialize;
+- the model's meta phase runs on real meta tensors, as in a launch, and the fake mode is on again
+  from materialize on (`_place_model`);
+- what no launch allocates is left out of the construction's bytes (AllocationPeak.apart): the
+  tensors DTensor's sharding propagation makes on the fake mode (its own fake mode in a launch)
+  and the static pipeline-stage examples;
 - object collectives (the tracker's peak label, a pipeline's merged dicts, DCP's gathers) pickle
   into tensors the fake group never fills: inside `fake_world` every rank gets its own object back
   (what every rank of a real launch computes from the same config);
@@ -32,19 +38,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from char_dataset import Batching
 from config import Config
-from launch.build import assemble
-from model import GPT, GPTConfig
-from parallel import ddp
+from launch.build import assemble, place_model
+from model import GPTConfig, ModelCost
+from parallel import ddp, materialize, parallelize
 from parallel.env import DTYPES, DistEnv
 from parallel.layout import Layout
 from parallel.pp import Pipeline, Stage
@@ -52,7 +60,7 @@ from parallel.registry import build_strategy
 from parallel.strategy import Strategy
 from snapshots.format import split_state
 from snapshots.store import SnapshotManager
-from tools.measure import Call, CollectiveCounter, SavedBytes, norm_phase
+from tools.measure import AllocationPeak, Call, CollectiveCounter, SavedBytes, norm_phase
 from trainer import Trainer
 
 
@@ -122,9 +130,11 @@ def static_stage_args(cfg: Config, layout: Layout, stage: int, device: torch.dev
 
 
 def _static_stage(pipeline: Pipeline, module: nn.Module, stage_id: int) -> PipelineStage:
-    """Pipeline.make_stage on the fake group."""
+    """Pipeline.make_stage on the fake group (its example tensors are not the launch's: they are
+    left out of the construction's bytes)."""
     return _StaticStage(module, stage_id, pipeline.layout.num_stages, pipeline.device, group=pipeline.pp_group,
-                        **static_stage_args(pipeline.cfg, pipeline.layout, stage_id, pipeline.device))
+                        **AllocationPeak.apart(static_stage_args)(pipeline.cfg, pipeline.layout, stage_id,
+                                                                  pipeline.device))
 
 
 class _UncheckedDDP(DistributedDataParallel):
@@ -145,6 +155,16 @@ def fake_world():
         with unset_fake_temporarily():
             real_init(self, *args, **kwargs)
     saved = {name: getattr(dist, name) for name in _own_object_back()}
+    real_shard = materialize.compute_local_shape_and_global_offset
+
+    def shard_of(*args, **kwargs):  # DTensor's shard arithmetic reads index tensors' values
+        with unset_fake_temporarily():
+            return real_shard(*args, **kwargs)
+    materialize.compute_local_shape_and_global_offset = shard_of
+    # DTensor infers an operation's output shape by running it on tensors of a fake mode (its
+    # own in a launch, the dry run's here): no memory in a launch, so none in the construction's
+    real_meta = ShardingPropagator._propagate_tensor_meta_non_cached
+    ShardingPropagator._propagate_tensor_meta_non_cached = AllocationPeak.apart(real_meta)
     DeviceMesh.__init__, Pipeline.make_stage, ddp.DistributedDataParallel = mesh_init, _static_stage, _UncheckedDDP
     for name, fn in _own_object_back().items():
         setattr(dist, name, fn)
@@ -152,6 +172,8 @@ def fake_world():
         yield
     finally:
         DeviceMesh.__init__, Pipeline.make_stage, ddp.DistributedDataParallel = real_init, real_stage, real_ddp
+        materialize.compute_local_shape_and_global_offset = real_shard
+        ShardingPropagator._propagate_tensor_meta_non_cached = real_meta
         for name, fn in saved.items():
             setattr(dist, name, fn)
 
@@ -176,20 +198,43 @@ def dry_config(cfg: Config, run_dir: Path) -> Config:
     return new
 
 
-def build_rank(cfg: Config, strategy: Strategy, vocab: int, run_dir: Path) -> Trainer:
-    """The real strategy.setup and Trainer of the strategy's rank, on fake tensors (call inside
-    FakeTensorMode; the strategy and its mesh are built outside, like a launch builds them)."""
-    torch.manual_seed(cfg.trainer.seed)
+def build_rank(cfg: Config, strategy: Strategy, vocab: int, run_dir: Path) -> tuple[Trainer, dict[str, int]]:
+    """The real model construction (launch/build.py place_model: meta build, strategy.setup with
+    the seed's initial values) and Trainer of the strategy's rank, on fake tensors (call inside
+    FakeTensorMode; the strategy and its mesh are built outside, like a launch builds them), with
+    the peak bytes the construction allocated: on the rank's device, and in host memory (what the
+    initial-value function makes: each whole initial value)."""
     gpt_cfg = GPTConfig.of(cfg.model, vocab)
-    model = GPT(gpt_cfg)
-    cost = model.cost()
-    strategy.setup(model)
+    with AllocationPeak() as built:
+        cost = _place_model(strategy, gpt_cfg, cfg.trainer.seed, built)
     for module in _ddp_modules(strategy):
         module.register_comm_hook(module.process_group, _all_reduce_bucket)
     env = strategy.env
     snapshots = SnapshotManager(run_dir, cfg.trainer.keep_snapshots, env.rank, env.distributed)
     return Trainer(assemble(cfg, FakeData(cfg.model.block_size), None, strategy, run_dir, dataclasses.asdict(gpt_cfg),
-                            cost, snapshots))
+                            cost, snapshots)), dict(built.peak)
+
+
+def _place_model(strategy: Strategy, gpt_cfg: GPTConfig, seed: int, built: AllocationPeak) -> ModelCost:
+    """launch/build.py place_model, its meta phase (the GPT on the meta device, the pipeline split,
+    tensor parallelism, FSDP2's fully_shard) on real meta tensors, outside FakeTensorMode, as in a
+    launch: a parameter made from a fake meta tensor cannot be swapped by `to_empty` (the fake
+    mode's converter holds a weak reference to it). From parallel/materialize.py's `materialize`
+    on (allocation, initial values, the engine that wraps a replica, the step runner) the fake mode
+    is on again, to the end of strategy.setup."""
+    fake = active_fake_mode()
+    real = parallelize.materialize
+
+    def fake_again(*args, **kwargs):
+        if active_fake_mode() is None:
+            again.enter_context(fake)
+        real(*args, **kwargs)
+    parallelize.materialize = fake_again
+    try:
+        with unset_fake_temporarily(), contextlib.ExitStack() as again:
+            return place_model(strategy, gpt_cfg, seed, watch_initial=built.host)
+    finally:
+        parallelize.materialize = real
 
 
 def _ddp_modules(strategy: Strategy) -> list[DistributedDataParallel]:
@@ -219,6 +264,8 @@ class RankMeasurement:
     snapshot_items: int = 0  # DCP save plan: write items of this rank
     snapshot_bytes: int = 0  # bytes of the tensors those items write
     snapshot_calls: list[Call] = field(default_factory=list)  # collectives of building the state dict
+    construction: int = 0  # peak bytes allocated on the rank's device while the model was built
+    construction_host: int = 0  # peak bytes the initial-value function held meanwhile (whole values)
 
 
 def measure_rank(cfg: Config, world: int, rank: int, vocab: int) -> RankMeasurement:
@@ -228,7 +275,7 @@ def measure_rank(cfg: Config, world: int, rank: int, vocab: int) -> RankMeasurem
         cfg = dry_config(cfg, run_dir)
         s = build_strategy(cfg, start_rank(world, rank))
         with FakeTensorMode(allow_non_fake_inputs=True):
-            trainer = build_rank(cfg, s, vocab, run_dir)
+            trainer, built = build_rank(cfg, s, vocab, run_dir)
             counter, saved = CollectiveCounter(), SavedBytes()
             with counter, saved.hooks(), norm_phase(s, counter):
                 trainer.train_step()
@@ -239,7 +286,8 @@ def measure_rank(cfg: Config, world: int, rank: int, vocab: int) -> RankMeasurem
         return RankMeasurement(rank, (c.pp, c.dp, c.tp), dict(trainer.held_bytes),
                                saved.nbytes // s.layout.microbatches,
                                [k for k in counter.calls if k.phase != "snapshot"], group_names(s),
-                               items, nbytes, [k for k in counter.calls if k.phase == "snapshot"])
+                               items, nbytes, [k for k in counter.calls if k.phase == "snapshot"],
+                               built["device"], built["host"])
 
 
 def plan_snapshot(trainer: Trainer) -> tuple[int, int]:

@@ -14,6 +14,8 @@ measured per layout), benchmarks/bytes_per_strategy.py and benchmarks/pp_bubble.
   counted once, as itself (inside the mode's handler the mode is off, so the c10d op it issues
   underneath is not seen again). Like torch's own CommDebugMode, the mode steps aside for DTensor
   operations (NotImplemented) so that DTensor's desugared collectives on plain tensors are seen.
+- `AllocationPeak`: the peak of live tensor bytes while a piece of code runs (the dry run's model
+  construction), each storage counted from the operation that creates it until it is freed.
 - `loopback_tx_bytes`: bytes the `lo` interface has transmitted (/proc/net/dev), i.e. the wire
   bytes of every local rank together, TCP/IP headers included.
 - `StageClock`: busy time of pipeline stages, for the measured bubble 1 - busy / step time.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from parallel.dtensor import storage_id
 
@@ -156,6 +160,81 @@ class CollectiveCounter(TorchDispatchMode):
             payload = _nbytes(args[0]) * (len(ranks) if gathered else 1)
             self.calls.append(Call(kind, f"{ns}.{name}", ranks, payload, self.phase))
         return out
+
+
+class AllocationPeak(TorchDispatchMode):
+    """`with AllocationPeak() as a:` the peak of live tensor bytes while entered, in `a.peak`
+    ("device" and "host"). Every storage an operation returns is counted once (by `storage_id`)
+    from then until its StorageImpl is freed: a weakref finalizer on the storage, whose Python object
+    torch keeps for as long as the storage lives (fake storages too). Meta tensors hold no memory;
+    DTensors are counted by their local tensors (the mode steps aside for DTensor operations, as
+    CollectiveCounter does). What `host(fn)` allocates while it runs is host memory; the rest is
+    the device's. Not counted: storages alive before the mode was entered, integer tensors (the
+    bookkeeping of DeviceMesh's rank tables and DTensor's shard offsets, a few bytes per rank of the
+    world, on the CPU; a model's tensors are floating point), and what `apart(fn)` allocates (with
+    the views of it: its storages are tracked as "apart")."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = {"device": 0, "host": 0, "apart": 0}
+        self.peak = {"device": 0, "host": 0, "apart": 0}
+        self._storages: dict[int, tuple[str, int, weakref.finalize]] = {}
+        self._where = "device"
+
+    @classmethod
+    def apart(cls, fn):
+        """fn, whose allocations no AllocationPeak counts (what a launch would not allocate)."""
+        def not_counted(*args, **kwargs):
+            cls._apart += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cls._apart -= 1
+        return not_counted
+
+    _apart = 0  # > 0 while an `apart` function runs
+
+    def host(self, fn):
+        """fn, whose allocations count as host memory."""
+        def on_host(*args, **kwargs):
+            outer, self._where = self._where, "host"
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._where = outer
+        return on_host
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs the operation on its local tensors, seen here
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.device.type != "meta" \
+                    and t.is_floating_point():
+                self._count(t.untyped_storage())
+        return out
+
+    def _count(self, st: torch.UntypedStorage) -> None:
+        key, nbytes = st._cdata, st.nbytes()
+        known = self._storages.get(key)
+        if known is not None:  # a view of it, or an in-place operation: resized?
+            where, before, fin = known
+            self._storages[key] = (where, nbytes, fin)
+        else:
+            where, before = "apart" if AllocationPeak._apart else self._where, 0
+            self._storages[key] = (where, nbytes, weakref.finalize(st, self._free, key))
+        self.live[where] += nbytes - before
+        self.peak[where] = max(self.peak[where], self.live[where])
+
+    def _free(self, key: int) -> None:
+        where, nbytes, _ = self._storages.pop(key)
+        self.live[where] -= nbytes
+
+    def __exit__(self, *exc):
+        for _, _, fin in self._storages.values():
+            fin.detach()  # what outlives the measurement is no longer counted
+        self._storages.clear()
+        return super().__exit__(*exc)
 
 
 # ----------------------------------------------------------------------------- wire and time
