@@ -90,7 +90,7 @@ def check_held_peaks(report: dict) -> None:
     count, from before the model is built) against the planned peak, for ddp, where the plan's sum
     is what is live at once (16a from the first step on: its buckets are the gradients, + the
     activations). Above the plan: what it leaves out (autograd's temporaries in backward, the data
-    order's permutation), 3% here; a plan without ddp's 4a of buckets would be 21% below. Not held
+    order's permutation), 3% here; against a plan that leaves out ddp's 4a of buckets, 21%. Not held
     to a bar (docs/planner.md, the peak really held): the pipeline schedules, 10-45% above their
     plan (pp 1f1b +15% on this model), and fsdp, whose figure moved by 10% between runs (frees on
     gloo's threads that the profiler misses)."""
