@@ -27,7 +27,7 @@ from checks import load_config
 from model import GPT, lm_loss
 from planner.schedule import bubble_fraction, rank_actions, simulated_bubble
 from testing.local import TINY, torchrun
-from tools.measure import SavedBytes
+from tools.measure import HeldPeak, SavedBytes
 
 # The report's bar is 5% (docs/planner.md); predictions agree to the byte, except that the trainer's inputs and targets
 # are views of one (b, s + 1) window of token ids where the planner counts 8bs bytes for each
@@ -136,6 +136,23 @@ def test_activations_saved_for_backward_one_process(tmp_path, overrides):
         loss = lm_loss(logits, y)
     loss.backward()
     assert predicted == pytest.approx(saved.nbytes, abs=SLACK), (predicted, saved.nbytes)
+
+
+def test_held_peak_counts_what_the_allocator_holds_from_the_profilers_start():
+    """tools/measure.py HeldPeak on CPU (what the strategy report compares with the planned peak):
+    a tensor allocated under the profiler counts from its allocation to its free, one allocated
+    before it never does (nor does its free), and a temporary freed inside the window is in the
+    window's peak."""
+    before = torch.ones(2**18)  # 1 MiB, allocated before the profiler
+    with HeldPeak(torch.device("cpu")) as held:
+        kept = torch.empty(2**20, dtype=torch.uint8)
+        gone = torch.empty(2**19, dtype=torch.uint8)
+        del gone
+        with held.window():
+            temporary = torch.empty(3 * 2**20, dtype=torch.uint8)
+            del temporary, before
+    assert (held.start, held.peak) == (2**20, 4 * 2**20), (held.start, held.peak)
+    assert kept.numel() == 2**20
 
 
 ODD = "model.n_embd=30 model.n_head=2"  # no tensor size divides by 4: shard padding and short last shards

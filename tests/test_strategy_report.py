@@ -6,11 +6,13 @@
   redistribution, a send, a sub-group's ranks), and the loopback bytes of an all-reduce and an all-gather of K bytes
   within 2% above a ring's volume (TCP/IP headers: about 0.1% at loopback's 64 KiB packets; the
   barriers around them: a few hundred bytes);
-- the report end to end at N=2 on the tiny model with five layouts (fsdp, tp, tp + sp + vocab, pp 1f1b,
-  ZB-V): report.json
+- the report end to end at N=2 on the tiny model with six layouts (ddp, fsdp, tp, tp + sp + vocab,
+  pp 1f1b, ZB-V): report.json
   says predicted and measured agree as the README says they do at N=4 (memory within 128 bytes per
-  category, bytes moved exactly) in every category, each layout's step time is the median of its
-  timed runs beside the predicted one, report.md and the three plots are written.
+  category, bytes moved exactly) in every category, the peak each rank really holds through a step
+  (the allocator's count) is within -5% / +12% of the planned peak for ddp, each
+  layout's step time is the median of its timed runs beside the predicted one, report.md and the
+  three plots are written.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tools.measure import ring_moved
 pytestmark = pytest.mark.launch
 
 K = 4 * 2**18
+PEAK_ABOVE, PEAK_BELOW = 0.12, 0.05  # the held peak against the planned (check_held_peaks)
 
 
 def test_counter_against_collectives_of_known_size(tmp_path):
@@ -53,10 +56,11 @@ def test_report_end_to_end_two_processes(tmp_path):
     model = [a for a in TINY if not a.startswith(("data.path", "trainer.eval", "trainer.log", "trainer.save",
                                                   "trainer.sample", "wandb", "optimizer"))]
     r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(out), "--steps", "1", "--repeats", "2",
-                "--layouts", "fsdp dp2,tp2,tp2 +sp +vocab,pp2 1f1b,pp2 zero-bubble V", *model, "trainer.micro_batch_size=0"], timeout=240)
+                "--layouts", "ddp dp2,fsdp dp2,tp2,tp2 +sp +vocab,pp2 1f1b,pp2 zero-bubble V", *model,
+                "trainer.micro_batch_size=0"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert [lay["name"] for lay in report["layouts"]] == ["fsdp dp2", "tp2", "tp2 +sp +vocab", "pp2 1f1b",
+    assert [lay["name"] for lay in report["layouts"]] == ["ddp dp2", "fsdp dp2", "tp2", "tp2 +sp +vocab", "pp2 1f1b",
                                                           "pp2 zero-bubble V"]
     for lay in report["layouts"]:
         for c in lay["memory"]:
@@ -70,13 +74,31 @@ def test_report_end_to_end_two_processes(tmp_path):
         assert len(lay["step_runs_s"]) == 2 and lay["step_s"] == pytest.approx(statistics.median(lay["step_runs_s"]))
         assert lay["step_predicted_s"] > 0 and lay["time_ratio"] == pytest.approx(lay["step_s"] / lay["step_predicted_s"])
         assert {name for name, _ in lay["time_terms"]} >= {"compute", "optimizer"}
-    assert {"tp"} <= {c["what"] for c in report["layouts"][1]["moved"]}
-    assert {"send-recv", "all-reduce"} <= {c["what"] for c in report["layouts"][3]["moved"]}
-    assert report["layouts"][3]["bubble_measured"] is not None
+    assert {"tp"} <= {c["what"] for c in report["layouts"][2]["moved"]}
+    assert {"send-recv", "all-reduce"} <= {c["what"] for c in report["layouts"][4]["moved"]}
+    assert report["layouts"][4]["bubble_measured"] is not None
+    check_held_peaks(report)
     text = (out / "report.md").read_text()
     assert "| fsdp dp2 |" in text and "![memory](memory.png)" in text and "pairs ordered alike" in text
+    assert "## Peak memory per rank (MB): planned vs really held" in text
     for png in ("memory.png", "bytes.png", "time.png"):
         assert (out / png).stat().st_size > 10_000
+
+
+def check_held_peaks(report: dict) -> None:
+    """The peak each rank really holds through a step (tools/measure.py HeldPeak: the allocator's
+    count, from before the model is built) against the planned peak, for ddp, where the plan's sum
+    is what is live at once (16a from the first step on: its buckets are the gradients, + the
+    activations). Above the plan: what it leaves out (autograd's temporaries in backward, the data
+    order's permutation), 3% here; against a plan that leaves out ddp's 4a of buckets, 21%. Not held
+    to a bar (docs/planner.md, the peak really held): the pipeline schedules, 10-45% above their
+    plan (pp 1f1b +15% on this model), and fsdp, whose figure moved by 10% between runs (frees on
+    gloo's threads that the profiler misses)."""
+    peaks = {lay["name"]: lay["peak"] for lay in report["layouts"]}
+    assert all(c["measured"] > 0 for lay in report["layouts"] for c in lay["peak"])
+    assert peaks["ddp dp2"]
+    for c in peaks["ddp dp2"]:
+        assert -PEAK_BELOW <= c["measured"] / c["predicted"] - 1 <= PEAK_ABOVE, c
 
 
 def test_report_refuses_bad_flags_with_one_line(tmp_path):
