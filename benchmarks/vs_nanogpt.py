@@ -44,7 +44,7 @@ import yaml
 from cpu_shakespeare import NANOGPT_CPU
 
 from model import GPT, GPTConfig
-from observe.perf import _cpu_model
+from observe.perf import cpu_model
 from parallel.precision import cpu_flags, fastest_cpu_precision
 from testing.local import CORPUS, REPO, SHARED
 from weights.model_file import read_model_file
@@ -170,7 +170,7 @@ def cpu_line() -> str:
     """The CPU and the flags that decide its fastest precision (parallel/precision.py)."""
     flags = cpu_flags()
     shown = [f for f in CPU_FLAGS_SHOWN if f in flags]
-    return (f"CPU: {_cpu_model()} | flags {' '.join(shown) or '(none of ' + ' '.join(CPU_FLAGS_SHOWN) + ')'} | "
+    return (f"CPU: {cpu_model()} | flags {' '.join(shown) or '(none of ' + ' '.join(CPU_FLAGS_SHOWN) + ')'} | "
             f"fastest precision: {fastest_cpu_precision(flags)[1]}")
 
 
