@@ -16,6 +16,7 @@ from config import (
     PP_SCHEDULES,
     PRECISIONS,
     STRATEGY_NAMES,
+    TRAINER_PRECISIONS,
     Config,
     DataConfig,
     ModelConfig,
@@ -103,7 +104,7 @@ def _validate_trainer(t: TrainerConfig) -> None:
     for k in ("eval_every", "save_every", "sample_tokens", "grad_clip", "peak_flops", "hang_timeout_s"):
         _positive(f"trainer.{k}", getattr(t, k), allow_zero=True)
     _choice("trainer.resume", t.resume, ("auto", "never", "require"))
-    _choice("trainer.precision", t.precision, PRECISIONS)
+    _choice("trainer.precision", t.precision, TRAINER_PRECISIONS)
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     profile_window(t.profile)
     if not t.run_dir:

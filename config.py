@@ -33,6 +33,8 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 STRATEGY_NAMES = ("none", "dp", "ddp", "zero", "fsdp", "auto")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# trainer.precision also takes auto: the fastest the device has, chosen at launch (parallel/precision.py)
+TRAINER_PRECISIONS = (*PRECISIONS, "auto")
 # the values of parallel.cp_mode: how the cp ranks of one sequence see each other's keys and values
 CP_MODES = ("ring", "allgather")
 
@@ -102,7 +104,7 @@ class TrainerConfig:
     run_dir: str = "runs/shakespeare_char"
     resume: str = "auto"  # auto | never | require
     seed: int = 1337
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | auto
     compile: bool = False
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     device: str = "auto"  # auto | cpu | cuda

@@ -107,6 +107,13 @@ def parse_args(argv):
     return args
 
 
+def refuse_auto_precision(cfg, flag: str) -> None:
+    """The planner and the dry run price one precision; auto is only chosen at launch, on the device."""
+    if cfg.trainer.precision == "auto":
+        raise UsageError(f"{flag} prices one precision and trainer.precision=auto is chosen at launch from the "
+                         f"device; set trainer.precision=bf16 or fp32 (what the launch's start-up line names)")
+
+
 def refuse_cp(cfg, flag: str) -> None:
     """The planner and the dry run price pp x dp x tp only: a cp layout would be priced as another."""
     if cfg.parallel.cp > 1:
@@ -118,6 +125,7 @@ def print_plan(args) -> int:
     """--plan: predictions for every layout on --world-size ranks (planner/__init__.py); no process group."""
     cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
     refuse_cp(cfg, "--plan")
+    refuse_auto_precision(cfg, "--plan")
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
@@ -146,6 +154,7 @@ def run_dry(args) -> int:
     """--dry-run: the real code of every rank role of --world-size ranks, beside the plan (tools/dry_run.py)."""
     cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
     refuse_cp(cfg, "--dry-run")
+    refuse_auto_precision(cfg, "--dry-run")
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")

@@ -13,12 +13,15 @@ settings), both with the same threads. Printed per run: the median time of a tra
 tokens/s at that median, the wall time, and the val loss of the final weights on the WHOLE
 validation split, in non-overlapping 64-token windows of nanoGPT's split (the last 10% of the text),
 each model with its own tokenizer: nanoGPT's 20 random eval batches are too noisy to compare.
-Then the ratio of tokens/s and the difference of val loss. `--seeds 1337 42` repeats both runs
+Then the ratio of tokens/s and the difference of val loss. The CPU's model and
+the flags that decide its fastest precision are printed first and with the results; `--also-fp32`
+runs ours a second time per seed with trainer.precision=fp32 (a preset's `auto` beside its fallback). `--seeds 1337 42` repeats both runs
 per seed and reports the spread.
 
     python benchmarks/vs_nanogpt.py                       # 2000 steps, 2 threads
     python benchmarks/vs_nanogpt.py --steps 500           # shorter (the loss is then not nanoGPT's)
     python benchmarks/vs_nanogpt.py --preset presets/cpu_speedrun.yaml --seeds 1337 42 7   # time to nanoGPT's loss
+    python benchmarks/vs_nanogpt.py --preset presets/cpu_fast.yaml --also-fp32 --seeds 1337 42 7   # + its fp32
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ import yaml
 from cpu_shakespeare import NANOGPT_CPU
 
 from model import GPT, GPTConfig
+from observe.perf import cpu_model
+from parallel.precision import cpu_flags, fastest_cpu_precision
 from testing.local import CORPUS, REPO, SHARED
 from weights.model_file import read_model_file
 
@@ -74,10 +79,11 @@ def run_nanogpt(scratch: Path, steps: int, seed: int, threads: int) -> dict:
     return {"step_ms": statistics.median(ms), "wall_s": wall, "ckpt": out / "ckpt.pt"}
 
 
-def run_ours(folder: Path, steps: int, seed: int, threads: int, extra: list[str], preset: str = "") -> dict:
+def run_ours(folder: Path, steps: int, seed: int, threads: int, extra: list[str], preset: str = "",
+             tag: str = "ours") -> dict:
     """nanoGPT's config (NANOGPT_CPU, `steps` steps) + extra; with `preset`, the preset's own
     config, steps and schedule instead (time to loss)."""
-    run = folder / f"ours-{seed}"
+    run = folder / f"{tag}-{seed}"
     recipe = (["--config", preset] if preset else
               [*NANOGPT_CPU, f"trainer.max_steps={steps}", f"optimizer.lr_decay_steps={steps}", "trainer.log_every=10"])
     overrides = [*recipe, f"data.path={CORPUS}", f"trainer.seed={seed}", "trainer.hang_timeout_s=0",
@@ -89,9 +95,10 @@ def run_ours(folder: Path, steps: int, seed: int, threads: int, extra: list[str]
     if r.returncode != 0:
         raise SystemExit(f"main.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {"step_ms": statistics.median(row["step_time_ms"] for row in rows[1:]), "wall_s": wall,
-            "tokens_per_s": tokens_per_step(run) / statistics.median(row["step_time_ms"] for row in rows[1:]) * 1000,
-            "model": run / "model.pt"}
+    step_ms = statistics.median(row["step_time_ms"] for row in rows[1:] if "step_time_ms" in row)
+    notes = [line for line in r.stdout.splitlines() if line.startswith("precision:")]  # trainer.precision=auto's
+    return {"step_ms": step_ms, "wall_s": wall, "tokens_per_s": tokens_per_step(run) / step_ms * 1000,
+            "model": run / "model.pt", "note": notes[0] if notes else ""}
 
 
 def tokens_per_step(run: Path) -> int:
@@ -156,6 +163,39 @@ def scratch_nanogpt(folder: Path) -> Path:
     return scratch
 
 
+CPU_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_line() -> str:
+    """The CPU and the flags that decide its fastest precision (parallel/precision.py)."""
+    flags = cpu_flags()
+    shown = [f for f in CPU_FLAGS_SHOWN if f in flags]
+    return (f"CPU: {cpu_model()} | flags {' '.join(shown) or '(none of ' + ' '.join(CPU_FLAGS_SHOWN) + ')'} | "
+            f"fastest precision: {fastest_cpu_precision(flags)[1]}")
+
+
+def report(results: dict, seeds: list[int]) -> None:
+    """Every run's figures, then each of our runs' ratios to nanoGPT's of the same seed."""
+    nanos = results["nanoGPT"]
+    for name, runs in results.items():
+        for seed, r in zip(seeds, runs):
+            r.setdefault("tokens_per_s", BATCH * BLOCK / r["step_ms"] * 1000)  # nanoGPT: its batch of 12 x 64
+            print(f"{name:21} seed {seed}: median step {r['step_ms']:6.1f} ms = {r['tokens_per_s']:8,.0f} "
+                  f"tokens/s | wall {r['wall_s']:5.0f} s | val loss (whole split, 64-token windows) {r['val']:.4f}")
+    for name, runs in results.items():
+        if name == "nanoGPT":
+            continue
+        ratios = [o["tokens_per_s"] / n["tokens_per_s"] for n, o in zip(nanos, runs)]
+        diffs = [o["val"] - n["val"] for n, o in zip(nanos, runs)]
+        walls = [o["wall_s"] / n["wall_s"] for n, o in zip(nanos, runs)]
+        notes = sorted({r["note"] for r in runs if r.get("note")})
+        print(f"{name}:{' ' + '; '.join(notes) if notes else ''}")
+        print(f"  wall time ratio (ours / nanoGPT's, start-up included): {', '.join(f'{w:.2f}x' for w in walls)}")
+        print(f"  tokens/s ratio (ours / nanoGPT's): {', '.join(f'{r:.2f}x' for r in ratios)}; "
+              f"val loss difference (ours - nanoGPT's): {', '.join(f'{x:+.4f}' for x in diffs)} "
+              f"(mean {statistics.mean(diffs):+.4f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2000)
@@ -163,35 +203,33 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
     ap.add_argument("--preset", default="", help="train this project with a preset's own recipe (steps, schedule) "
                     "instead of nanoGPT's config: time to nanoGPT's loss, e.g. presets/cpu_speedrun.yaml")
+    ap.add_argument("--also-fp32", action="store_true", help="after each of our runs, the same again with "
+                    "trainer.precision=fp32 (a preset's precision=auto side by side with the fp32 it falls back to)")
     ap.add_argument("overrides", nargs="*", help="config overrides for main.py (e.g. a preset's speed settings)")
     args = ap.parse_args()
+    print(cpu_line(), flush=True)
     text = CORPUS.read_text(encoding="utf-8")
     val_text, chars = text[int(len(text) * 0.9):], sorted(set(text))  # nanoGPT's split and vocabulary
+    sides = {"minGPT-parallel": args.overrides}
+    if args.also_fp32:
+        sides["minGPT-parallel fp32"] = [*args.overrides, "trainer.precision=fp32"]
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
         scratch = scratch_nanogpt(folder)
-        results = {"nanoGPT": [], "minGPT-parallel": []}
+        results = {"nanoGPT": [], **{name: [] for name in sides}}
         for seed in args.seeds:  # one after the other, never at once
             nano = run_nanogpt(scratch, args.steps, seed, args.threads)
             nano["val"] = nanogpt_val_loss(scratch, nano["ckpt"], val_text, chars)
-            ours = run_ours(folder, args.steps, seed, args.threads, args.overrides, args.preset)
-            ours["val"] = our_val_loss(ours["model"], val_text)
             results["nanoGPT"].append(nano)
-            results["minGPT-parallel"].append(ours)
+            for i, (name, extra) in enumerate(sides.items()):
+                ours = run_ours(folder, args.steps, seed, args.threads, extra, args.preset, tag=f"ours{i}")
+                ours["val"] = our_val_loss(ours["model"], val_text)
+                results[name].append(ours)
     print(f"\n=== {args.steps} steps of nanoGPT's CPU config, {args.threads} threads, seeds {args.seeds}"
           f"{', ours with ' + args.preset if args.preset else ''}"
           f"{', overrides ' + ' '.join(args.overrides) if args.overrides else ''}")
-    for name, runs in results.items():
-        for seed, r in zip(args.seeds, runs):
-            r.setdefault("tokens_per_s", BATCH * BLOCK / r["step_ms"] * 1000)  # nanoGPT: its batch of 12 x 64
-            print(f"{name:16} seed {seed}: median step {r['step_ms']:6.1f} ms = {r['tokens_per_s']:8,.0f} "
-                  f"tokens/s | wall {r['wall_s']:5.0f} s | val loss (whole split, 64-token windows) {r['val']:.4f}")
-    ratios = [o["tokens_per_s"] / n["tokens_per_s"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
-    diffs = [o["val"] - n["val"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
-    walls = [o["wall_s"] / n["wall_s"] for n, o in zip(results["nanoGPT"], results["minGPT-parallel"])]
-    print(f"wall time ratio (ours / nanoGPT's, start-up included): {', '.join(f'{w:.2f}x' for w in walls)}")
-    print(f"tokens/s ratio (ours / nanoGPT's): {', '.join(f'{r:.2f}x' for r in ratios)}; "
-          f"val loss difference (ours - nanoGPT's): {', '.join(f'{x:+.4f}' for x in diffs)}")
+    print(cpu_line())
+    report(results, args.seeds)
 
 
 if __name__ == "__main__":

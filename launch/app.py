@@ -30,6 +30,7 @@ from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_
 from observe.profiling import profile_note
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, cpu_devices, init_distributed, local_world_size, shutdown
+from parallel.precision import resolve_precision
 from planner.auto import choose_layout
 from snapshots.resume import nothing_left_message
 from storage.failures import StorageError, os_error_in
@@ -59,9 +60,11 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
         raise UsageError(f"{PLAN_ONLY_FLAGS} only apply with --plan; add --plan")
     device_set_by_override = any(o.partition("=")[0].strip() == "trainer.device" for o in args.overrides)
     env = init_distributed(cfg, config_file=None if device_set_by_override else args.config)
-    auto_lines: list[str] = []
+    cfg, precision_line = resolve_precision(cfg, env.device)  # trainer.precision=auto: before anything is built
+    auto_lines: list[str] = [precision_line] if precision_line else []
     if cfg.parallel.strategy == "auto":  # the planner picks the layout: before anything is built
-        cfg, auto_lines = choose_layout(cfg, env)
+        cfg, layout_lines = choose_layout(cfg, env)
+        auto_lines += layout_lines
     lock, trainer, summary = None, None, None
     try:
         corpus = fallback_corpus(cfg, env)  # may move run_dir: before the lock

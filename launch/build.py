@@ -32,6 +32,7 @@ from observe.perf import Peak, set_fp32_matmul_mode
 from observe.profiling import StepProfiler
 from parallel.env import DistEnv
 from parallel.materialize import InitialValue
+from parallel.precision import resolve_precision
 from parallel.registry import build_strategy
 from parallel.strategy import Strategy
 from snapshots.store import SnapshotManager
@@ -40,8 +41,9 @@ from weights.pretrained import Source, check_shape, check_tokenizer, initial_wei
 
 
 def build_trainer(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str] | None = None) -> Trainer:
-    """A Trainer over build_parts' parts (the tests' and benchmarks' entry: a launch is built the same)."""
-    return Trainer(build_parts(cfg, env, run_dir, corpus))
+    """A Trainer over build_parts' parts (the tests' and benchmarks' entry: a launch is built the same,
+    trainer.precision=auto resolved as the launch resolves it)."""
+    return Trainer(build_parts(resolve_precision(cfg, env.device)[0], env, run_dir, corpus))
 
 
 def build_parts(cfg: Config, env: DistEnv, run_dir: Path, corpus: tuple[str, str] | None = None) -> TrainerParts:

@@ -113,7 +113,7 @@ def peak_cache_path() -> Path:
     return Path(base) / "mingpt-parallel" / "peak-flops.json"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -125,7 +125,7 @@ def _cpu_model() -> str:
 
 def machine_fingerprint(precision: str) -> str:
     """The cache key of a CPU peak: what the peak depends on."""
-    return f"{_cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {precision}"
+    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {precision}"
 
 
 def _read_peak_cache(path: Path) -> dict[str, float]:

@@ -159,7 +159,7 @@ BAD_INPUTS = {
     "profile": (["trainer.profile=10"], "trainer.profile='10' is not START:STEPS"),
     "profile steps": (["trainer.profile=10:0"], "is not START:STEPS (two whole numbers, STEPS >= 1)"),
     "resume": (["trainer.resume=maybe"], "not one of auto, never, require"),
-    "precision": (["trainer.precision=fp8"], "not one of fp32, bf16, fp16"),
+    "precision": (["trainer.precision=fp8"], "not one of fp32, bf16, fp16, auto"),
     "device": (["trainer.device=tpu"], "not one of auto, cpu, cuda"),
     "cuda without a GPU": (["trainer.device=cuda"], "no CUDA device; run it on a GPU machine, or give the "
                                                     "override trainer.device=cpu"),

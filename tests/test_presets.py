@@ -1,6 +1,6 @@
 """The presets the README names load as the launch loads them and describe a model the code builds:
-presets/cpu_speedrun.yaml (nanoGPT's CPU model with Muon) and presets/gpu_8x8x512.yaml (bf16,
-compile, CUDA). What each achieves is a benchmark's (benchmarks/time_to_loss.py) or the GPU check's
+presets/cpu_speedrun.yaml (nanoGPT's CPU model with Muon), presets/cpu_fast.yaml (nanoGPT's CPU
+recipe at the CPU's fastest precision, compiled) and presets/gpu_8x8x512.yaml (bf16, compile, CUDA). What each achieves is a benchmark's (benchmarks/time_to_loss.py) or the GPU check's
 (scripts/gpu_check.sh), not this test's: here, that neither has drifted from the config's keys and
 checks, and that each keeps the settings the README and docs/performance.md state."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from testing.local import REPO
 @pytest.mark.parametrize("preset, want", [
     ("cpu_speedrun.yaml", {"device": "cpu", "optimizer": "muon", "shape": (4, 4, 128), "compile": False}),
     ("gpu_8x8x512.yaml", {"device": "cuda", "optimizer": "adamw", "shape": (8, 8, 512), "compile": True}),
+    ("cpu_fast.yaml", {"device": "cpu", "optimizer": "adamw", "shape": (4, 4, 128), "compile": True}),
 ])
 def test_a_preset_loads_and_its_model_builds(preset, want):
     cfg = load_config(str(REPO / "presets" / preset), [])
