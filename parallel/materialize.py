@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # (module, parameter name) -> the parameter's whole initial value
 InitialValue = Callable[[nn.Module, str], torch.Tensor]
@@ -64,9 +64,30 @@ def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 def copy_slice(p: torch.Tensor, whole: torch.Tensor) -> None:
     """p (a plain tensor, or a DTensor's local shard) = its slice of the parameter's whole value."""
     if isinstance(p, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(whole.shape, p.device_mesh, p.placements)
         local = p.to_local()
         if local.numel():
-            local.copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+            local.copy_(local_piece(whole, p.device_mesh, p.placements))
         return
     p.copy_(whole)
+
+
+def local_piece(whole: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's piece of `whole`, cut the way the engines cut it: the last mesh dimension first
+    (tensor parallel splits the whole tensor), then each earlier one on what the later ones left
+    (FSDP2 chunks the tp-local tensor: a `_StridedShard`), each a torch.chunk of its dimension, the
+    last ranks of an uneven split getting an empty piece. It needs only the mesh's coordinates, so
+    it runs the same on the dry run's fake tensors: there DTensor's offset arithmetic
+    (`compute_local_shape_and_global_offset`, which reads index tensors' values and so ran outside
+    the fake mode) gave 7 rows where FSDP2 holds 6 when a tp-local dim 0 does not split evenly
+    over dp (65 vocabulary rows over tp 2 x dp 4), and the dry run failed (found by its sweep; a
+    real launch of that layout starts from one process's weights bit for bit either way,
+    tests/test_initial_weights.py)."""
+    piece, coordinate = whole, mesh.get_coordinate()
+    for i in reversed(range(mesh.ndim)):
+        placement = placements[i]
+        # FSDP2 marks its dim-0 split of a tp-sharded tensor `_StridedShard`, which in torch 2.13
+        # is not a Shard (is_shard() is False): both cut a dimension
+        if placement.is_shard() or isinstance(placement, _StridedShard):
+            chunks = torch.chunk(piece, mesh.size(i), dim=placement.dim)
+            piece = chunks[coordinate[i]] if coordinate[i] < len(chunks) else piece.narrow(placement.dim, 0, 0)
+    return piece

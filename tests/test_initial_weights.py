@@ -25,7 +25,10 @@ WORLD4 = {
     "pp2 x dp2": "parallel.strategy=ddp parallel.pp=2",
     "fsdp x tp": "parallel.strategy=fsdp parallel.tp=2",
 }
-WORLD8 = {"mesh 2x2x2 (pp x fsdp x tp)": "parallel.strategy=fsdp parallel.pp=2 parallel.tp=2"}
+WORLD8 = {"mesh 2x2x2 (pp x fsdp x tp)": "parallel.strategy=fsdp parallel.pp=2 parallel.tp=2",
+          # 65 vocabulary rows: 33 and 32 per tp rank, then FSDP2's chunks of those over dp 4 (9, 9, 9, 6
+          # and 8 x 4): materialize's own cut (local_piece) against FSDP2's chunks
+          "fsdp dp4 x tp2 vocab-parallel (uneven)": "parallel.strategy=fsdp parallel.tp=2 parallel.tp_vocab_parallel=true"}
 
 
 def test_one_process_builds_the_model_on_meta_and_keeps_the_tied_head_tied(tmp_path):

@@ -8,7 +8,7 @@ The seams, each the smallest that lets the real code run on fake tensors (docs/p
 what they leave uncovered):
 - the DeviceMesh computes its coordinates from a real tensor of ranks: it is built outside
   FakeTensorMode (FSDP2 builds meshes too, under tp, so DeviceMesh.__init__ leaves the mode for
-  as long as it runs: `fake_world`); so does DTensor's shard arithmetic in materialize;
+  as long as it runs: `fake_world`);
 - the model's meta phase runs on real meta tensors, as in a launch, and the fake mode is on again
   from materialize on (`_place_model`);
 - what no launch allocates is left out of the construction's bytes (AllocationPeak.apart): the
@@ -52,7 +52,7 @@ from char_dataset import Batching
 from config import Config
 from launch.build import assemble, place_model
 from model import GPTConfig, ModelCost
-from parallel import ddp, materialize, parallelize
+from parallel import ddp, parallelize
 from parallel.env import DTYPES, DistEnv
 from parallel.layout import Layout
 from parallel.pp import Pipeline, Stage
@@ -155,12 +155,6 @@ def fake_world():
         with unset_fake_temporarily():
             real_init(self, *args, **kwargs)
     saved = {name: getattr(dist, name) for name in _own_object_back()}
-    real_shard = materialize.compute_local_shape_and_global_offset
-
-    def shard_of(*args, **kwargs):  # DTensor's shard arithmetic reads index tensors' values
-        with unset_fake_temporarily():
-            return real_shard(*args, **kwargs)
-    materialize.compute_local_shape_and_global_offset = shard_of
     # DTensor infers an operation's output shape by running it on tensors of a fake mode (its
     # own in a launch, the dry run's here): no memory in a launch, so none in the construction's
     real_meta = ShardingPropagator._propagate_tensor_meta_non_cached
@@ -172,7 +166,6 @@ def fake_world():
         yield
     finally:
         DeviceMesh.__init__, Pipeline.make_stage, ddp.DistributedDataParallel = real_init, real_stage, real_ddp
-        materialize.compute_local_shape_and_global_offset = real_shard
         ShardingPropagator._propagate_tensor_meta_non_cached = real_meta
         for name, fn in saved.items():
             setattr(dist, name, fn)
