@@ -15,7 +15,7 @@ warm-up step:
   dispatcher (measure.CollectiveCounter: the c10d ops that DDP's C++ reducer, FSDP2, the project's
   ZeRO and the pipeline issue, and the functional collectives of DTensor);
 - the peak of tensor bytes the process really holds through the third step, with nothing else
-  attached (measure.HeldPeak: on CPU torch.profiler's memory events from before the model is
+  attached (held_memory.HeldPeak: on CPU torch.profiler's memory events from before the model is
   built, so DDP's buckets, FSDP2's gathered parameters and autograd's temporaries count too; on
   CUDA the allocator's max_memory_allocated), beside the planned peak;
 - REPEATS runs of STEPS steps timed with nothing attached: step time (the median run), tokens/s,
@@ -54,10 +54,10 @@ from launch.errors import reject_dashed_overrides
 from planner.hardware import Hardware
 from testing.local import CORPUS, torchrun_until
 from tools.calibrate import measure_local
+from tools.held_memory import HeldPeak
 from tools.measure import (
     PLANNED_KINDS,
     CollectiveCounter,
-    HeldPeak,
     SavedBytes,
     StageClock,
     add_timer,
@@ -265,7 +265,7 @@ def compare(name: str, overrides: str, got: dict, user: list[str], n: int, hw: H
         for key in MEMORY:
             memory.append(Check(f"{key} pp{want.pp_rank}", getattr(want, key), max(r[key] for r in mine), MEMORY_BAR))
         # the least of the ranks holding the same share: a free on a thread the profiler does not
-        # follow (gloo's) goes unseen and can only add (measure.HeldPeak)
+        # follow (gloo's) goes unseen and can only add (held_memory.HeldPeak)
         peak.append(Check(f"peak pp{want.pp_rank}", want.peak, min(r["held_peak"] for r in mine), PEAK_BAR))
         start.append(min(r["held_start"] for r in mine))
         terms.append({"params + grads + Adam": want.params + want.grads + want.optimizer, "buffers": want.buffers,
@@ -316,7 +316,7 @@ def _peak_table(reps: list[LayoutReport]) -> list[str]:
     out = ["## Peak memory per rank (MB): planned vs really held", "",
            "Planned: planner.plan_layout's peak, the sum of what it expects live at once. Really held: the "
            "tensor bytes the process holds through one training step (the third; none of the measurement "
-           "hooks attached), read from the allocator's side (tools/measure.py HeldPeak: torch.profiler's "
+           "hooks attached), read from the allocator's side (tools/held_memory.py HeldPeak: torch.profiler's "
            "memory events on CPU, from before the model is built, so DDP's buckets, FSDP2's gathered "
            "parameters, autograd's temporaries and the data order count too); the least of the ranks of "
            "the pipeline rank (a free on one of gloo's threads goes unseen by the profiler and can only add: "

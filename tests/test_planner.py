@@ -27,7 +27,8 @@ from checks import load_config
 from model import GPT, lm_loss
 from planner.schedule import bubble_fraction, rank_actions, simulated_bubble
 from testing.local import TINY, torchrun
-from tools.measure import HeldPeak, SavedBytes
+from tools.held_memory import HeldPeak
+from tools.measure import SavedBytes
 
 # The report's bar is 5% (docs/planner.md); predictions agree to the byte, except that the trainer's inputs and targets
 # are views of one (b, s + 1) window of token ids where the planner counts 8bs bytes for each
@@ -139,7 +140,7 @@ def test_activations_saved_for_backward_one_process(tmp_path, overrides):
 
 
 def test_held_peak_counts_what_the_allocator_holds_from_the_profilers_start():
-    """tools/measure.py HeldPeak on CPU (what the strategy report compares with the planned peak):
+    """tools/held_memory.py HeldPeak on CPU (what the strategy report compares with the planned peak):
     a tensor allocated under the profiler counts from its allocation to its free, one allocated
     before it never does (nor does its free), and a temporary freed inside the window is in the
     window's peak."""

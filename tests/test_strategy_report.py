@@ -86,7 +86,7 @@ def test_report_end_to_end_two_processes(tmp_path):
 
 
 def check_held_peaks(report: dict) -> None:
-    """The peak each rank really holds through a step (tools/measure.py HeldPeak: the allocator's
+    """The peak each rank really holds through a step (tools/held_memory.py HeldPeak: the allocator's
     count, from before the model is built) against the planned peak, for ddp, where the plan's sum
     is what is live at once (16a from the first step on: its buckets are the gradients, + the
     activations). Above the plan: what it leaves out (autograd's temporaries in backward, the data
