@@ -45,7 +45,7 @@ def activation_model(cfg: Config, engine: Engine) -> ActivationModel:
 
 
 def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, sp: bool,
-                           checkpointed: bool, weight_copies: bool = True) -> int:
+                           checkpointed: bool) -> int:
     """Bytes one transformer block saves for backward for b sequences, on one tp rank.
 
     Per block, E = b*s*h elements, A = b*(heads/tp)*s (measured with saved_tensors_hooks):
@@ -57,8 +57,7 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
       tp: the replicated LayerNorm inputs and the Linear inputs stay whole; with sequence
       parallelism the LayerNorm inputs/stats and dropout masks are split over tp, but the
       all-gathered q/k/v and fc inputs are saved whole (DTensor keeps the gathered tensor).
-      autocast also keeps a 16-bit copy of every weight (12h^2/tp elements; `weight_copies`
-      False leaves them out: `weight_copy_bytes`).
+      autocast's 16-bit copies of the weights are not here: `weight_copy_bytes`.
     Activation checkpointing keeps only the block input (E/tp with sp)."""
     s, h = g.block_size, g.n_embd
     e = b * s * h
@@ -82,8 +81,6 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
     total += 8 * e * am.matmul // tp  # GELU input and output (4h each), or ReLU's output and its square
     if g.dropout > 0:
         total += 2 * e * (am.matmul if am.cpu_masks else 1) // seq
-    if am.casts and weight_copies:
-        total += 12 * h * h * am.matmul // tp
     return total
 
 
@@ -98,21 +95,26 @@ def weight_copy_bytes(g: GPTConfig, am: ActivationModel, blocks: int, last: bool
         return 0
     head = ceil_div(g.vocab_size, lay.tp if lay.tp_vocab_parallel else 1) * g.n_embd if last else 0
     # recomputed blocks keep no copies; the head is never recomputed
-    in_blocks = 0 if lay.activation_checkpointing else blocks * 12 * g.n_embd * g.n_embd // lay.tp
+    in_blocks = 0 if lay.activation_checkpointing else blocks * _block_weights(g, lay.tp)
     return (in_blocks + head) * am.matmul
 
 
+def _block_weights(g: GPTConfig, tp: int) -> int:
+    """Elements of one block's four Linear weights on one tp rank: 12h^2 / tp."""
+    return 12 * g.n_embd * g.n_embd // tp
+
+
 def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: int, first: bool,
-                           last: bool, lay: PlannedLayout, weight_copies: bool = True) -> int:
+                           last: bool, lay: PlannedLayout) -> int:
     """Saved-for-backward bytes of one pipeline stage (or the whole model) for one micro-batch of
     b sequences: its blocks, plus token/position ids (and the embedding dropout mask) on the
     first stage, plus ln_f, the LM head input and the loss's log-softmax (fp32, b*s*V; over
-    tp ranks with vocab-parallel loss) on the last. `weight_copies` False: without autocast's
-    weight copies (weight_copy_bytes)."""
+    tp ranks with vocab-parallel loss) on the last. Without autocast's weight copies
+    (weight_copy_bytes)."""
     s, h, v = g.block_size, g.n_embd, g.vocab_size
     tp, sp = lay.tp, lay.sequence_parallel
     seq = tp if sp else 1
-    total = blocks * block_activation_bytes(g, am, b, tp, sp, lay.activation_checkpointing, weight_copies)
+    total = blocks * block_activation_bytes(g, am, b, tp, sp, lay.activation_checkpointing)
     if first:
         total += 8 * b * s + 8 * s  # token ids (the embedding's) and positions (int64)
         if g.dropout > 0:
@@ -120,8 +122,6 @@ def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: in
     if last:
         total += b * s * h * am.residual // seq + 2 * b * s * 4 // seq  # ln_f input, mean/rstd
         total += b * s * h * (am.matmul if am.casts else am.residual)  # LM head input (whole)
-        if am.casts and weight_copies:
-            total += ceil_div(v, tp if lay.tp_vocab_parallel else 1) * h * am.matmul  # weight copy
         total += 4 * b * s * ceil_div(v, tp if lay.tp_vocab_parallel else 1)  # log-softmax output
         total += 8 * b * s + 4  # targets (int64) and nll_loss's total weight
     return total
@@ -137,11 +137,14 @@ def rank_activation_bytes(g: GPTConfig, am: ActivationModel, lay: PlannedLayout,
     pipelined = lay.pp > 1
     for s in sorted(inflight):
         blocks, first, last = lay.stage_blocks[s], s == 0, s == lay.num_stages - 1
-        one = stage_activation_bytes(g, am, lay.micro_batch_size, blocks, first, last, lay,
-                                     weight_copies=not pipelined)
-        copies = weight_copy_bytes(g, am, blocks, last, lay) if pipelined else 0
-        per_microbatch += one + round(copies / lay.microbatches)
-        in_flight += one * inflight[s] + copies
+        one = stage_activation_bytes(g, am, lay.micro_batch_size, blocks, first, last, lay)
+        copies = weight_copy_bytes(g, am, blocks, last, lay)
+        if pipelined:  # one copy per step
+            per_microbatch += one + round(copies / lay.microbatches)
+            in_flight += one * inflight[s] + copies
+        else:  # a copy per micro-batch
+            per_microbatch += one + copies
+            in_flight += (one + copies) * inflight[s]
     return per_microbatch, in_flight
 
 
@@ -156,5 +159,6 @@ def transient_bytes(g: GPTConfig, am: ActivationModel, lay: PlannedLayout, holds
         transient = b * g.block_size * vloc * (am.matmul + 4)
     if lay.activation_checkpointing:
         full = block_activation_bytes(g, am, b, lay.tp, lay.sequence_parallel, False)
+        full += _block_weights(g, lay.tp) * am.matmul if am.casts else 0  # the recompute's weight copies
         transient = max(transient, full)
     return transient
