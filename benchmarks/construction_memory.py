@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import tempfile
@@ -37,6 +36,8 @@ from pathlib import Path
 
 from _repo import REPO
 
+from observe.perf import cpu_model
+from parallel.precision import cpu_flags as all_cpu_flags
 from testing.local import CORPUS, child_env, multiprocess_lock, torchrun_argv
 from testing.memory_probe import measure
 
@@ -72,10 +73,8 @@ def sweep_cases() -> list[tuple[str, int, list[str]]]:
 
 
 def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1)
-    flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())
-    return f"{model}; {', '.join(sorted(f for f in flags if f.startswith(('avx512', 'amx', 'avx2'))))}"
+    """The CPU's model and its vector flags, for the line printed beside the figures."""
+    return f"{cpu_model()}; {', '.join(sorted(f for f in all_cpu_flags() if f.startswith(('avx512', 'amx', 'avx2'))))}"
 
 
 def speed(repo: Path, nproc: int, overrides: list[str], env: dict[str, str], steps: int = 6) -> float:
