@@ -3,8 +3,9 @@
 - parity with one process (testing/parity.py: first-step gradients <= 1e-6 abs, loss <= 1e-4 rel
   and gradient norm <= 1e-5 rel at each of 6 steps, parameters after the first and the last
   step <= 1e-5 abs; bf16/fp16: norm and parameters after the first step) at dp=2 (TINY:
-  accumulation 2) and dp=4, incl. bucket/option variants, activation checkpointing, bf16
-  autocast and fp16 loss scaling; a deliberately wrong clipping norm fails it;
+  accumulation 2) and dp=4, incl. bucket/option variants, activation checkpointing (zero-1,
+  zero-2, fsdp), bf16 autocast and fp16 loss scaling (ddp, zero, fsdp); a deliberately wrong
+  clipping norm fails it;
 - per-rank resident bytes (read from the local tensors) against the ZeRO formulas;
 - state dicts: written by zero/fsdp, loaded into another strategy and world size, bit-exact;
 - the whole app (main.main) for every strategy: trains, evaluates (val loss averaged over dp
@@ -64,11 +65,14 @@ TWO_PROC = {
     "zero1_buckets": (ZERO + "1 parallel.bucket_cap_mb=0.01", "fp32"),
     "zero2": (ZERO + "2", "fp32"),
     "zero2_buckets": (ZERO + "2 parallel.bucket_cap_mb=0.01", "fp32"),
+    "zero1_ckpt_act": (ZERO + "1 parallel.activation_checkpointing=true", "fp32"),
     "zero2_ckpt_act": (ZERO + "2 parallel.activation_checkpointing=true", "fp32"),
     "fsdp": ("parallel.strategy=fsdp", "fp32"),
     "fsdp_keep_gathered": ("parallel.strategy=fsdp parallel.reshard_after_forward=false", "fp32"),
     "fsdp_cpu_offload": ("parallel.strategy=fsdp parallel.cpu_offload=true", "fp32"),
     "fsdp_ckpt_act": ("parallel.strategy=fsdp parallel.activation_checkpointing=true", "fp32"),
+    "ddp_bf16": ("parallel.strategy=ddp trainer.precision=bf16", "bf16"),
+    "ddp_fp16": ("parallel.strategy=ddp trainer.precision=fp16", "fp16"),
     "zero2_bf16": (ZERO + "2 trainer.precision=bf16", "bf16"),
     "fsdp_bf16": ("parallel.strategy=fsdp trainer.precision=bf16", "bf16"),
     "zero1_fp16": (ZERO + "1 trainer.precision=fp16", "fp16"),
@@ -78,6 +82,7 @@ TWO_PROC = {
     "fsdp_muon": ("parallel.strategy=fsdp optimizer.name=muon", "muon"),  # each matrix gathered for Muon
 }
 FOUR_PROC = {
+    "ddp": ("parallel.strategy=ddp", "fp32"),
     "zero1": (ZERO + "1", "fp32"),
     "zero2": (ZERO + "2", "fp32"),
     "fsdp": ("parallel.strategy=fsdp", "fp32"),

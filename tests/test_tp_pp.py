@@ -14,7 +14,10 @@ assert_tp_fp16_tracks). Two launches cover every case:
                tp=2, pp=2 and fsdp x pp=2 (dp=1: plain parameters, fused AdamW); Muon at pp=2
                (whole matrices) and tp=2 (gathered); cp=2 with no engine (the runner averages over
                cp), ddp and fsdp (over the flattened dp x cp group), ddp with cp_mode=allgather;
-  4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp), pp=4 (middle stages hold no tied copy),
+  4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp: 1f1b and interleaved; fsdp with activation
+               checkpointing), pp=4 (middle stages hold no tied copy) with 1f1b and zero-bubble,
+               and on an 8-block model interleaved and ZB-V (8 stages), tp=4 (one head per rank;
+               and vocab-parallel + SP on 65 uneven vocabulary rows),
                tp=2 x pp=2 (ZB-V, vocab-parallel, SP); fp16 at tp=2 x pp=2 and fsdp dp=2 x pp=2,
                Muon at dp=2 x tp=2 on a model whose rows FSDP2 splits unevenly, and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
                process (a pp x tp snapshot resharded to pp = tp = 1); cp=4 (no engine; ring and
@@ -75,11 +78,21 @@ TWO = {
 OPTIONS = "model.tie_weights=false model.activation=relu2 model.qk_norm=true"
 TWO_UNTIED = {"pp2_untied_split31_ac": f"parallel.pp=2 parallel.pp_split=3,1 parallel.activation_checkpointing=true {OPTIONS}",
               "tp2_vocab_sp_untied": f"parallel.tp=2 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true {OPTIONS}"}
+L8 = "model.n_layer=8"
 ODD = "model.n_embd=30 model.n_head=2"  # 15 rows of a matrix per tp rank: FSDP2 splits them 8 + 7
 FOUR = {
     "fsdp_dp2_tp2": "parallel.strategy=fsdp parallel.tp=2",
     "ddp_dp2_pp2": "parallel.strategy=ddp parallel.pp=2",
     "pp4_1f1b": "parallel.pp=4 parallel.pp_schedule=1f1b",
+    "pp4_zb": "parallel.pp=4 parallel.pp_schedule=zero_bubble",
+    # 8 stages over 4 ranks: the 8-block model (reference "tied_l8")
+    "pp4_interleaved_l8": f"parallel.pp=4 parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2 {L8}",
+    "pp4_zbv_l8": f"parallel.pp=4 parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2 {L8}",
+    "ddp_dp2_pp2_interleaved": ("parallel.strategy=ddp parallel.pp=2 parallel.pp_schedule=interleaved_1f1b "
+                                "parallel.pp_stages_per_rank=2"),
+    "fsdp_dp2_pp2_ac": "parallel.strategy=fsdp parallel.pp=2 parallel.activation_checkpointing=true",
+    "tp4": "parallel.tp=4",  # one head per rank
+    "tp4_vocab_sp": "parallel.tp=4 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true",  # 65 characters: uneven vocabulary rows
     "tp2_pp2_zbv_vocab_sp": ("parallel.tp=2 parallel.pp=2 parallel.pp_schedule=zero_bubble "
                              "parallel.pp_stages_per_rank=2 parallel.tp_vocab_parallel=true "
                              "parallel.sequence_parallel=true"),
@@ -113,6 +126,8 @@ def reference_of(name: str) -> str:
         return "muon_odd"
     if name.endswith("_muon"):
         return "muon"
+    if name.endswith("_l8"):
+        return "tied_l8"
     return "untied" if name in TWO_UNTIED else "tied_fp16" if name.endswith("_fp16") else "tied"
 
 
@@ -146,6 +161,7 @@ def references(tmp_path_factory):
             "untied": run_steps(["parallel.strategy=none", *OPTIONS.split()], STEPS, out / "untied", evaluate=True),
             "tied_fp16": run_steps(["parallel.strategy=none", "trainer.precision=fp16"], STEPS, out / "fp16",
                                    evaluate=True),
+            "tied_l8": run_steps(["parallel.strategy=none", L8], STEPS, out / "tied_l8", evaluate=True),
             "muon": run_steps(["parallel.strategy=none", "optimizer.name=muon"], STEPS, out / "muon", evaluate=True),
             "muon_odd": run_steps(["parallel.strategy=none", "optimizer.name=muon", *ODD.split()], STEPS,
                                   out / "muon_odd", evaluate=True)}
