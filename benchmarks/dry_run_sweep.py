@@ -48,8 +48,8 @@ def draw(seed: int, i: int) -> tuple[int, str, list[str]]:
     """(world size, a short name, overrides) of case i of `seed`. The draw keeps to what the
     launch composes (each rule is a refusal of parallel/options.py or planner/alternatives.py):
     ddp and ZeRO-1/2 take no tp (DTensor parameters), ZeRO-1/2 no pp, the zero-bubble schedules
-    and strategy none no data parallelism (their world is tp x pp), cp no tp, pp, autocast or
-    recomputation."""
+    and strategy none no data parallelism (their world is tp x pp), the zero-bubble schedules no
+    recomputation, cp no tp, pp, autocast or recomputation."""
     rng = random.Random(f"{seed}:{i}")
     engine = rng.choice(list(ENGINES))
     tp = 1 if engine in ("ddp", "zero-1", "zero-2") else rng.choice([1, 2, 4, 8])
@@ -86,7 +86,8 @@ def draw(seed: int, i: int) -> tuple[int, str, list[str]]:
         o += [f"parallel.cp={cp}", f"parallel.cp_mode={rng.choice(['ring', 'allgather'])}"]
     o += ["trainer.precision=bf16"] if precision == "bf16" else []
     o += ["parallel.mixed_precision=bf16"] if precision == "fsdp-bf16" else []
-    o += ["parallel.activation_checkpointing=true"] if cp == 1 and rng.random() < 0.25 else []
+    recompute = rng.random() < 0.25  # drawn always, so later draws do not move when a rule changes
+    o += ["parallel.activation_checkpointing=true"] if recompute and cp == 1 and "zero_bubble" not in str(schedule) else []
     name = (f"{engine} tp{tp} pp{pp}{'' if cp == 1 else f' cp{cp}'} {precision} {depth}x{heads * head_dim}"
             f"/{heads}h s{block} {'gpt2' if gpt2 else 'char'}")
     return world, name, o

@@ -257,6 +257,8 @@ BAD_CONFIGS = [
     (["parallel.pp=2", "parallel.microbatches=1"], "parallel.microbatches=1 is below parallel.pp=2"),
     (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "trainer.compile=true"],
      "which torch.compile does not support"),
+    (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.activation_checkpointing=true"],
+     "recomputes each block once per weight group"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "model.block_size=15"],
      "model.block_size=15 is not divisible by parallel.tp=2"),
     (["parallel.tp=3"], "model.n_head=4 is not divisible by parallel.tp=3"),
