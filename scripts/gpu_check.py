@@ -281,16 +281,19 @@ def check_preset_compile(c: Check) -> Result:
                   f"{recompiles} recompiles, cuda peak {last.get('cuda_peak_allocated_mb', 0):.0f} MB")
 
 
+# the suite's selections run on CUDA with 2+ GPUs (tests/test_gpu_paths.py: each collects tests)
+MULTI_GPU_TESTS = {"ddp-fsdp-tp-pp-parity": ["tests/test_data_parallel.py", "tests/test_tp_pp.py", "-k", "parity or matches"],
+                   "nn-dataparallel": ["tests/test_data_parallel.py", "-k", "nn_dataparallel"],
+                   "frozen-peer": ["tests/test_hang.py"]}
+
+
 def check_multi_gpu(c: Check, gpus: int) -> list[Result]:
     """With 2+ GPUs: the suite's parity, nn.DataParallel and frozen-peer tests on CUDA."""
     names = ("ddp-fsdp-tp-pp-parity", "nn-dataparallel", "frozen-peer")
     if gpus < 2:
         return [Result(n, "SKIP", f"needs 2+ GPUs (one GPU holds one NCCL rank); this machine has {gpus}") for n in names]
-    tests = {"ddp-fsdp-tp-pp-parity": ["tests/test_data_parallel.py", "tests/test_tp_pp.py", "-k", "parity or matches"],
-             "nn-dataparallel": ["tests/test_data_parallel.py", "-k", "dataparallel or nn_dp"],
-             "frozen-peer": ["tests/test_hang.py"]}
     out = []
-    for name, args in tests.items():
+    for name, args in MULTI_GPU_TESTS.items():
         r = c.run(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], 600,
                   MINGPT_TEST_DEVICE="cuda")
         out.append(Result(name, "PASS" if r.returncode == 0 else "FAIL", tail(r)))

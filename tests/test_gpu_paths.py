@@ -5,6 +5,7 @@ NCCL's recorder functions given to the CPU build); scripts/gpu_check.sh runs the
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -250,6 +251,21 @@ def test_the_gpu_check_on_a_machine_without_a_gpu_is_one_line_and_exit_2():
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stdout.splitlines() == [f"gpu_check: torch {torch.__version__} sees no CUDA device; run it on a "
                                      f"machine with an NVIDIA GPU"] and not r.stderr.strip(), (r.stdout, r.stderr)
+
+
+@pytest.mark.launch
+def test_every_selection_the_multi_gpu_check_runs_collects_tests(monkeypatch):
+    """scripts/gpu_check.sh runs these pytest selections on CUDA with 2+ GPUs; a selection that
+    matches no test would pass there while proving nothing (as `-k "dataparallel or nn_dp"` did)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    for name, args in gpu_check.MULTI_GPU_TESTS.items():
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+        collected = [line for line in r.stdout.splitlines() if "::" in line]
+        assert r.returncode == 0 and collected, (name, r.stdout[-2000:], r.stderr[-2000:])
 
 
 def test_a_bad_deterministic_value_is_one_line_and_exit_2(tmp_path, capsys):
