@@ -79,17 +79,18 @@ def test_batches_are_a_pure_function_of_seed_and_step():
     assert not torch.equal(a.train_batch(4, one)[0], a.train_batch(3, one)[0])
 
 
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dp", [2, 4, 8, 16])
 def test_global_batch_is_the_same_for_any_dp_size(dp):
+    """The default global batch, 16, split over 2-16 data-parallel ranks (16: one row each)."""
     d = positions()
     for step in (0, 1, 57, 123):
-        whole_x, whole_y = d.train_batch(step, Batching(global_batch=8))
-        shares = [d.train_batch(step, Batching(global_batch=8, dp_rank=r, dp_size=dp)) for r in range(dp)]
-        assert all(x.shape == (8 // dp, 8) for x, _ in shares)
+        whole_x, whole_y = d.train_batch(step, Batching(global_batch=16))
+        shares = [d.train_batch(step, Batching(global_batch=16, dp_rank=r, dp_size=dp)) for r in range(dp)]
+        assert all(x.shape == (16 // dp, 8) for x, _ in shares)
         assert torch.equal(torch.cat([x for x, _ in shares]), whole_x)
         assert torch.equal(torch.cat([y for _, y in shares]), whole_y)
-    whole_val = list(d.val_batches(3, Batching(global_batch=8)))
-    for i, batch in enumerate(zip(*[d.val_batches(3, Batching(8, r, dp)) for r in range(dp)])):
+    whole_val = list(d.val_batches(3, Batching(global_batch=16)))
+    for i, batch in enumerate(zip(*[d.val_batches(3, Batching(16, r, dp)) for r in range(dp)])):
         assert torch.equal(torch.cat([x for x, _ in batch]), whole_val[i][0])
 
 

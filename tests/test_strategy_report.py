@@ -4,7 +4,7 @@
   (tests/count_worker.py): each kind counted once with its exact payload (the c10d ops, the
   project's gloo reduce-scatter as an all-to-all, a functional collective, a DTensor
   redistribution, a send, a sub-group's ranks), and the loopback bytes of an all-reduce and an all-gather of K bytes
-  within 2% above a ring's volume (TCP/IP headers: about 0.1% at loopback's 64 KiB packets; the
+  within 1% above a ring's volume, as the README says (TCP/IP headers: about 0.1% at loopback's 64 KiB packets; the
   barriers around them: a few hundred bytes);
 - the report end to end at N=2 on the tiny model with six layouts (ddp, fsdp, tp, tp + sp + vocab,
   pp 1f1b, ZB-V): report.json
@@ -48,7 +48,7 @@ def test_counter_against_collectives_of_known_size(tmp_path):
     # all ranks together: n x the ring volume per rank
     for kind, lo in got["lo"].items():
         ring = 2 * ring_moved(kind, K, 2)
-        assert ring <= lo <= 1.02 * ring, (kind, lo, ring)
+        assert ring <= lo <= 1.01 * ring, (kind, lo, ring)
 
 
 def test_report_end_to_end_two_processes(tmp_path):
