@@ -34,7 +34,16 @@ of dq, dk and dv. dq stays here; dk and dv belong to the block's owner: they tra
 ring with the block, each holder adding its share, and after N steps the sum arrives at the owner.
 
 Bytes per layer and micro-batch, with K/V of one rank's tokens a = 2 x B x 2c x C x 4 (fp32):
-forward N-1 K/V sends of a; backward N-1 K/V sends again plus N dK/dV sends of a.
+forward N-1 K/V sends of a; backward N-1 K/V sends again plus N dK/dV sends of a (`bytes_sent`).
+Under activation checkpointing backward recomputes each block's forward, ring included: another
+N-1 K/V sends of a in backward.
+
+**Low precision.** Under bf16/fp16 autocast q, k and v arrive in bf16/fp16 and travel so; each
+block's output and log-sum-exp are merged in fp32 and the output rounded once at the end, and
+dQ, dK and dV are summed in fp32 (dK/dV travel in fp32) and rounded once, as one fused kernel
+rounds once. What still differs from one process: each block's output comes out of the kernel
+already rounded to bf16/fp16 before the merge, so a cp run tracks one low-precision process in
+the loss (tests/test_tp_pp.py) and not to the fp32 parity bounds.
 
 Kernels: on the CPU torch's fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`,
 which returns the lse, and its backward, which takes it); elsewhere the same formulas in plain
@@ -49,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from config import Config
 from parallel.collectives import reduce_scatter
@@ -182,11 +192,12 @@ class RingAttention(torch.autograd.Function):
             qs, ks, causal = block_of(step, ring.rank, ring.size, c)
             o, l = block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal)
             if out is None:  # step 0: the local block covers every query
-                out, lse = o.contiguous(), l.contiguous()
+                out, lse = o.float(), l.float()  # merged in fp32, rounded once (as one kernel does)
             else:
-                merge(out[:, :, qs], lse[:, :, qs], o, l)
+                merge(out[:, :, qs], lse[:, :, qs], o.float(), l.float())
             if incoming is not None:
                 kv = incoming()
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out
@@ -197,7 +208,8 @@ class RingAttention(torch.autograd.Function):
         ring = ctx.ring
         _, block_backward = kernels(q.device)
         dout, c = dout.contiguous(), q.size(2) // 2
-        dq, kv, dkv_from_prev = torch.zeros_like(q), [k, v], None
+        # dQ, dK and dV summed in fp32 (the dK/dV travel so), rounded once at the end, as one kernel does
+        dq, kv, dkv_from_prev = torch.zeros_like(q, dtype=torch.float32), [k, v], None
         for step in range(ring.size):
             incoming = ring.start_shift(kv, KV_TAG) if step < ring.size - 1 else None
             qs, ks, causal = block_of(step, ring.rank, ring.size, c)
@@ -205,7 +217,8 @@ class RingAttention(torch.autograd.Function):
                                         out[:, :, qs], lse[:, :, qs], causal)
             dq[:, :, qs] += bq
             # this block's dK/dV so far: what the ranks it visited before added (none at step 0)
-            dk, dv = dkv_from_prev() if dkv_from_prev is not None else (torch.zeros_like(k), torch.zeros_like(v))
+            dk, dv = dkv_from_prev() if dkv_from_prev is not None else (
+                torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
             dk[:, :, ks] += bk
             dv[:, :, ks] += bv
             # on with the block to its next holder; after the last step that is its owner
@@ -213,18 +226,21 @@ class RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming()
         dk, dv = dkv_from_prev()  # our own block's, every rank's share added
-        return dq, dk, dv, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def bytes_sent(mode: str, batch: int, local_tokens: int, width: int, cp: int, element_bytes: int = 4) -> dict[str, int]:
     """Bytes one rank sends for one attention layer and micro-batch: K/V of its tokens are
-    a = 2 x batch x local_tokens x width x element_bytes. ring: forward (cp-1) a, backward (cp-1) a
-    (K/V again) + cp a (dK/dV, the last send home). allgather, on a ring algorithm: forward
-    (cp-1) a (the all-gather), backward (cp-1) a (the reduce-scatter of dK/dV)."""
+    a = 2 x batch x local_tokens x width x element_bytes (their dtype: 2 under bf16/fp16
+    autocast), their gradients g = 2 x batch x local_tokens x width x 4 (dK/dV are summed and
+    sent in fp32, rounded once by their owner). ring: forward (cp-1) a, backward (cp-1) a (K/V
+    again) + cp g (dK/dV, the last send home). allgather, on a ring algorithm: forward (cp-1) a
+    (the all-gather), backward (cp-1) g (the reduce-scatter of dK/dV)."""
     a = 2 * batch * local_tokens * width * element_bytes
+    g = 2 * batch * local_tokens * width * 4
     if mode == "allgather":
-        return {"forward": (cp - 1) * a, "backward": (cp - 1) * a}
-    return {"forward": (cp - 1) * a, "backward": (2 * cp - 1) * a}
+        return {"forward": (cp - 1) * a, "backward": (cp - 1) * g}
+    return {"forward": (cp - 1) * a, "backward": (cp - 1) * a + cp * g}
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
@@ -256,16 +272,16 @@ class AllGatherAttention(torch.autograd.Function):
         b, h, _, d = q.shape
         kv = gathered.new_empty((2, b, h, 2 * c * n, d)).index_copy_(3, order, torch.cat(list(gathered), 3))
         q, out = q.contiguous(), torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = q.new_empty(q.shape[:3])
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         for half, j in enumerate((ranks.rank, 2 * n - 1 - ranks.rank)):
             qs = slice(half * c, (half + 1) * c)
             o, l = None, None
             for ks, causal in chunk_blocks(j, c):
                 bo, bl = block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal)
-                if o is None:
-                    o, l = bo.contiguous(), bl.contiguous()
+                if o is None:  # merged in fp32, rounded once (as one kernel does)
+                    o, l = bo.float(), bl.float()
                 else:
-                    merge(o, l, bo, bl)
+                    merge(o, l, bo.float(), bl.float())
             out[:, :, qs], lse[:, :, qs] = o, l
         ctx.save_for_backward(q, kv, out, lse, order)
         ctx.ranks = ranks
@@ -277,7 +293,8 @@ class AllGatherAttention(torch.autograd.Function):
         ranks = ctx.ranks
         _, block_backward = kernels(q.device)
         n, c, dout = ranks.size, q.size(2) // 2, dout.contiguous()
-        dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
+        # summed in fp32 (and reduce-scattered so), rounded once at the end, as one kernel does
+        dq, dkv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(kv, dtype=torch.float32)
         for half, j in enumerate((ranks.rank, 2 * n - 1 - ranks.rank)):
             qs = slice(half * c, (half + 1) * c)
             for ks, causal in chunk_blocks(j, c):
@@ -289,7 +306,7 @@ class AllGatherAttention(torch.autograd.Function):
         # back to rank order, (cp, 2, B, H, 2c, D); each owner receives the sum of every rank's share
         per_rank = dkv.index_select(3, order).unflatten(3, (n, 2 * c)).movedim(3, 0).contiguous()
         dk, dv = ranks.reduce_scatter(per_rank)
-        return dq, dk, dv, None
+        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: Ring) -> torch.Tensor:
@@ -334,8 +351,9 @@ class ContextParallelLoop(MicroBatchLoop):
 
     def forward_backward(self, x, y, scale_loss):
         loss = super().forward_backward(x, y, scale_loss)
-        if self.reduce_grads:
-            grads = [p.grad for p in self.norm_parameters() if p.grad is not None]
+        if self.reduce_grads:  # a tp shard's cp peers hold the same shard: reduce the local pieces
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                     for p in self.norm_parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.cp_group)  # sum over the cp ranks of their tokens' gradients
             flat /= self.cp  # each was of a mean over 1/cp of the tokens

@@ -192,11 +192,8 @@ def cfg_of(*overrides: str, world: int | None = None):
     (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.mixed_precision=bf16"], "parallel.mixed_precision=none"),
     (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.dp_replicate=2"], "parallel.dp_replicate=1"),
     (["parallel.cp=2", "parallel.strategy=zero"], "not 'zero'"),
-    (["parallel.cp=2", "parallel.tp=2"], "does not compose with parallel.tp"),
-    (["parallel.cp=2", "parallel.pp=2"], "does not compose with parallel.pp"),
-    (["parallel.cp=2", "trainer.compile=true"], "trainer.compile"),
-    (["parallel.cp=2", "trainer.precision=bf16"], "trainer.precision=fp32"),
-    (["parallel.cp=2", "parallel.activation_checkpointing=true"], "parallel.activation_checkpointing"),
+    (["parallel.cp=2", "parallel.pp=2"], "does not compose with parallel.pp yet: the pipeline passes hidden states"),
+    (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.cpu_offload=true"], "no test holds the two together"),
 ])
 def test_bad_cp_configs_are_one_line(overrides, needle):
     with pytest.raises(UsageError) as e:
@@ -223,11 +220,13 @@ def test_the_planner_and_the_dry_run_refuse_cp_in_one_line(flag, capsys, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_ring_sends_the_bytes_its_formula_states():
-    """What RingAttention hands to the ring per rank, forward and backward, against bytes_sent."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ring_sends_the_bytes_its_formula_states(dtype):
+    """What RingAttention hands to the ring per rank, forward and backward, against bytes_sent
+    (in bf16: K/V travel in bf16, dK/dV in fp32)."""
     cp, b, h, d = 4, 2, 3, 8
     t = 4 * cp
-    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    q, k, v = (torch.randn(b, h, t, d, dtype=dtype) for _ in range(3))
     sent = {}
 
     class CountingRing(ThreadRing):
@@ -246,6 +245,6 @@ def test_the_ring_sends_the_bytes_its_formula_states():
         ring.phase = "backward"
         out.sum().backward()
     run_ranks(cp, rank)
-    want = cpmod.bytes_sent("ring", b, t // cp, h * d, cp)
+    want = cpmod.bytes_sent("ring", b, t // cp, h * d, cp, element_bytes=q.element_size())
     for r in range(cp):
         assert {p: sent[r, p] for p in ("forward", "backward")} == want
