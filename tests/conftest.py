@@ -168,12 +168,17 @@ def _relocated_peak_cache(tmp_path_factory):
 # bit-identical to an uninterrupted one compares with this one run; tests/test_hang.py sets 3 s.
 DDP_REFERENCE = TINY + ["parallel.strategy=ddp", "trainer.max_steps=20", "trainer.save_every=5",
                         "optimizer.lr_decay_steps=20", "trainer.hang_timeout_s=30"]
+# The reference itself saves in the background: the faulted runs that save synchronously (the hang,
+# the storage faults) ending bit-identical to it also prove that background saves train the same
+# model, with no launch of its own; tests/test_async_save.py checks the reference's snapshots and
+# save timings.
+DDP_REFERENCE_ASYNC = DDP_REFERENCE + ["trainer.async_save=true"]
 
 
 @pytest.fixture(scope="session")
 def ddp_reference(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("ddp_reference") / "run"
-    r = torchrun(2, ["main.py", *DDP_REFERENCE, f"trainer.run_dir={run}"], timeout=240)
+    r = torchrun(2, ["main.py", *DDP_REFERENCE_ASYNC, f"trainer.run_dir={run}"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert not (run / "hang").exists()  # no false alarm of the hang watchdog on steps, evaluation, saves
     return run

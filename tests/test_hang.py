@@ -88,6 +88,8 @@ def test_sigstop_names_the_frozen_rank_and_the_restart_ends_bit_identical(ddp_re
     assert (dumps / "fr_trace_rank_0").stat().st_size > 0 and "(training)" in (dumps / "stacks_rank_0.txt").read_text()
     assert not (dumps / "fr_trace_rank_1").exists()  # a stopped rank dumps nothing
     assert f"resumed from {run / 'snapshots' / 'step_0000010'} at step 10" in out, out[-4000:]
+    # the reference saves in the background, this run synchronously: also the proof that background
+    # saves train the same model (tests/test_async_save.py)
     a, b = model(ddp_reference / "model.pt"), model(run / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -9,8 +9,9 @@ device count and the peak that MFU divides by, and the fp32 matmul mode the GPU 
   process drives all GPUs.
 - bf16 on CPU: the peak is a bf16 matmul, measured the same way as the fp32 one.
 - MFU is never above 1: a CPU peak is cached per machine fingerprint in a JSON file
-  ($MINGPT_PEAK_CACHE here: a temporary folder); a cached peak that a run exceeds (a stale cache,
-  caused by seeding the file with a peak that is too low) is measured again; a trainer.peak_flops
+  ($MINGPT_PEAK_CACHE here: a file of each test's own, empty for the tests about the peak, holding
+  a fixed fp32 peak for the others, which never measure it); a cached peak that a run exceeds (a
+  stale cache, caused by seeding the file with a peak that is too low) is measured again; a trainer.peak_flops
   that a run exceeds is never re-measured but flagged, and MFU is 0 (unknown) from then on; a damaged
   cache file is ignored (measured again and rewritten), with no traceback.
 - CUDA (no GPU here: only the table lookup and the switch are tested): fp32 matmuls run as TF32
@@ -35,13 +36,31 @@ from parallel.env import DistEnv, init_distributed
 from parallel.strategy import Strategy
 from testing.local import TINY
 
+SEEDED_PEAK = 1e15  # FLOP/s: above any CPU's fp32 peak, so no run exceeds it (which would measure again)
+
 
 @pytest.fixture(autouse=True)
-def peak_cache(tmp_path, monkeypatch):
-    """Every test here has its own, empty, CPU peak cache file."""
+def _own_peak_cache(request, tmp_path, monkeypatch):
+    """Every test here has its own CPU peak cache file. The tests about the peak ask for
+    `peak_cache`: theirs starts empty. Any other finds a fixed fp32 peak in it and must not measure
+    (a measurement is about a second of matmuls, and not what it tests)."""
     path = tmp_path / "cache" / "peak-flops.json"
     monkeypatch.setenv("MINGPT_PEAK_CACHE", str(path))
+    if "peak_cache" not in request.fixturenames:
+        path.parent.mkdir()
+        path.write_text(json.dumps({perf.machine_fingerprint("fp32"): SEEDED_PEAK}))
+
+        def refused(*args, **kwargs):
+            pytest.fail("a test not about the CPU peak measured it: its cache holds SEEDED_PEAK for fp32 "
+                        "(another precision or thread count needs its own entry), or it asks for peak_cache")
+        monkeypatch.setattr(perf, "measure_cpu_peak", refused)
     return path
+
+
+@pytest.fixture
+def peak_cache(_own_peak_cache):
+    """This test's CPU peak cache file, empty: for the tests about the peak."""
+    return _own_peak_cache
 
 
 def tiny_trainer(run_dir, *overrides):
@@ -206,6 +225,7 @@ def test_mfu_counts_the_cpu_peaks_the_cores_really_give(monkeypatch):
     assert env.cpu_devices(world_size=2, local_world_size=2)[0] == 1  # 2 x 2 threads on 2 cores
 
 
+@pytest.mark.usefixtures("peak_cache")  # about the peak: measure_cpu_peak itself
 @pytest.mark.parametrize("seconds_per_matmul, sizes", [(0.001, [256, 512, 1024] * 2), (0.2, [256, 256])])
 def test_the_cpu_peak_sweep_skips_sizes_that_would_only_be_slow(seconds_per_matmul, sizes, monkeypatch):
     # a CPU emulating bf16 takes 0.2 s per 512^3 matmul and 2.6 s per 1024^3 one at the same rate:

@@ -118,7 +118,8 @@ def test_full_disk_under_torchrun_stops_every_rank_and_a_relaunch_after_freeing_
     """2 ranks on a 3 MB tmpfs: snapshots 5 and 10 fit, 15 does not. Both ranks stop with the one
     line (exit 3, no traceback, no hang); the restart that --max-restarts makes stops at start-up
     (the disk is still full) instead of training up to the same save; after `remount,size=64m`
-    the same command ends bit-identical to the uninterrupted run."""
+    the same command ends bit-identical to the uninterrupted run (ddp_reference, which saves in the
+    background: these synchronous saves train the same model)."""
     with tmpfs(tmp_path / "disk", "3m") as disk:
         run = disk / "run"
         cmd = ["main.py", *DDP, f"trainer.run_dir={run}"]
