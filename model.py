@@ -138,6 +138,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
+        # Context parallelism (parallel/cp.py) sets this: (local length, device) -> the global
+        # positions of the tokens this rank holds of each sequence. An attribute, as on attention.
+        self.context_parallel_positions = None
         if not self.ln_f.weight.is_meta:  # built on the meta device: parallel/materialize.py fills it
             init_weights(self, seed)
 
@@ -145,10 +148,13 @@ class GPT(nn.Module):
         """Token ids (B, T) -> logits (B, T, V). A pipeline stage without the embedding takes
         hidden states (B, T, C) instead, and one without the head returns hidden states.
         `positions` (T,): each token's position in its sequence, when x holds only some of each
-        sequence (context parallelism: parallel/cp.py); by default 0..T-1."""
+        sequence (context parallelism: parallel/cp.py sets `context_parallel_positions`, which
+        gives them); by default 0..T-1."""
         if self.tok_emb is not None:
-            pos = torch.arange(x.size(1), device=x.device) if positions is None else positions
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+            if positions is None:
+                cp = self.context_parallel_positions
+                positions = torch.arange(x.size(1), device=x.device) if cp is None else cp(x.size(1), x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
         for block in self.blocks.values():
             x = block(x)
         if self.ln_f is not None:

@@ -320,10 +320,26 @@ ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}  # parall
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, mode: str) -> None:
-    """Every block's attention over `cp_mesh`'s ranks (model.CausalSelfAttention), by parallel.cp_mode."""
+    """Every block's attention over `cp_mesh`'s ranks (model.CausalSelfAttention), by parallel.cp_mode,
+    and the position embedding read at the global positions of this rank's tokens (a pipeline
+    stage: its blocks; the first stage also its embedding)."""
     ranks, attention = Ring(cp_mesh.get_group()), ATTENTION[mode]
+    cp, rank = ranks.size, ranks.rank
+    model.context_parallel_positions = lambda t, device: local_positions(t * cp, rank, cp, device)
     for block in model.blocks.values():
         block.attn.context_parallel = lambda q, k, v: attention(q, k, v, ranks)
+
+
+def average_grads_over_cp(params: list[nn.Parameter], group: dist.ProcessGroup, cp: int) -> None:
+    """Without a data-parallel engine over dp x cp: each cp rank's gradient is that of its own
+    tokens' mean loss, and the gradient of the whole mean is their average. One all-reduce of all
+    gradients, / cp (a tp shard's cp peers hold the same shard: the local pieces are reduced)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)  # sum over the cp ranks of their tokens' gradients
+    flat /= cp  # each was of a mean over 1/cp of the tokens
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 class ContextParallelLoop(MicroBatchLoop):
@@ -346,17 +362,8 @@ class ContextParallelLoop(MicroBatchLoop):
         for xm, ym in super().micro_batches(x, y):
             yield shard_sequence(xm, self.cp_rank, self.cp), shard_sequence(ym, self.cp_rank, self.cp)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x, positions=local_positions(x.size(1) * self.cp, self.cp_rank, self.cp, x.device))
-
     def forward_backward(self, x, y, scale_loss):
         loss = super().forward_backward(x, y, scale_loss)
-        if self.reduce_grads:  # a tp shard's cp peers hold the same shard: reduce the local pieces
-            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                     for p in self.norm_parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.cp_group)  # sum over the cp ranks of their tokens' gradients
-            flat /= self.cp  # each was of a mean over 1/cp of the tokens
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+        if self.reduce_grads:
+            average_grads_over_cp(self.norm_parameters(), self.cp_group, self.cp)
         return loss

@@ -163,9 +163,6 @@ def _context_parallel_problems(cfg: Config) -> Iterator[str]:
         yield (f"parallel.cp > 1 runs with parallel.strategy={' or '.join(CP_STRATEGIES)} so far, not "
                f"'{p.strategy}'{' (auto does not plan cp)' if p.strategy == 'auto' else ''}: no test holds the "
                f"two together to one process's training yet; change the strategy")
-    if p.pp > 1:
-        yield ("parallel.cp > 1 does not compose with parallel.pp yet: the pipeline passes hidden states "
-               "between stages but not each token's global position, which the cp split needs; set parallel.pp=1")
     for key, value, fix in (("mixed_precision", p.mixed_precision != "none", "parallel.mixed_precision=none"),
                             ("dp_replicate", p.dp_replicate > 1, "parallel.dp_replicate=1"),
                             ("cpu_offload", p.cpu_offload, "parallel.cpu_offload=false")):

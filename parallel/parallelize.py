@@ -60,8 +60,9 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
     if layout.tp_enabled:
         for part in stages.values():
             apply_tensor_parallel(part, mesh["tp"], p.tp_vocab_parallel, p.sequence_parallel)
-    if layout.cp_enabled:  # no pipeline stages under cp yet (parallel/options.py): the whole model
-        apply_context_parallel(model, mesh["cp"], p.cp_mode)
+    if layout.cp_enabled:
+        for part in stages.values():
+            apply_context_parallel(part, mesh["cp"], p.cp_mode)
     # 3. activation checkpointing
     for part in stages.values():
         for block in part.blocks.values():
@@ -79,9 +80,11 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
     wrapped = [wrap_data_parallel(part) for part in parts]
     if deferred and shards_parameters:
         materialize(parts, device, initial)
-    if layout.cp_enabled:  # without an engine on dp x cp, the runner averages the gradients over cp
+    # without an engine on dp x cp, the runner averages the gradients over cp
+    reduce_over_cp = layout.cp_enabled and Engine.of(p) is Engine.NONE
+    if layout.pp_enabled:
+        return Pipeline(stages, wrapped, cfg, layout, mesh, env.device, env.rank, reduce_over_cp)
+    if layout.cp_enabled:
         return ContextParallelLoop(model, wrapped[0], cfg, env.device, layout.microbatches, mesh["cp"],
-                                   reduce_grads=Engine.of(p) is Engine.NONE)
-    if not layout.pp_enabled:
-        return MicroBatchLoop(model, wrapped[0], cfg, env.device, layout.microbatches)
-    return Pipeline(stages, wrapped, cfg, layout, mesh, env.device, env.rank)
+                                   reduce_grads=reduce_over_cp)
+    return MicroBatchLoop(model, wrapped[0], cfg, env.device, layout.microbatches)

@@ -33,7 +33,7 @@ parameters a per-stage division would hit separately).
 Tied embedding / LM head. The first stage's tok_emb.weight and the last stage's lm_head.weight
 are two copies of one matrix. After every schedule step their gradients are summed (in one
 process the tied weight's gradient is the sum of both uses): an all-reduce in a group made of
-the two ranks that hold the ends (for each (dp, tp) coordinate), or a local add when one rank
+the two ranks that hold the ends (for each (dp, cp, tp) coordinate), or a local add when one rank
 holds both (V-shape). Both copies then get the same update and stay equal; on a V-shape rank the
 last stage's copy is left out of the optimizer and refreshed from the first after each step.
 
@@ -65,6 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import Config
 from model import GPT, lm_loss
+from parallel.cp import average_grads_over_cp, shard_sequence
 from parallel.dtensor import full_tensor, grad_like_param, local_tensor
 from parallel.env import new_group
 from parallel.layout import Layout
@@ -144,12 +145,17 @@ class Pipeline(StepRunner):
     """This rank's pipeline stages, their schedule, and the tied-weight bookkeeping."""
 
     def __init__(self, stages: dict[int, GPT], wrapped: list[nn.Module], cfg: Config, layout: Layout,
-                 mesh: DeviceMesh, device: torch.device, rank: int):
-        """`stages`: this rank's stage modules by stage id (split_stages, then tensor parallel);
-        `wrapped`: each of them under the data-parallel engine (DDP, FSDP2 or itself), in the same
-        order. The schedule runs the wrapped ones, so DDP's no_sync and FSDP's deferred
-        reduce-scatter apply."""
+                 mesh: DeviceMesh, device: torch.device, rank: int, reduce_over_cp: bool = False):
+        """`stages`: this rank's stage modules by stage id (split_stages, then tensor and context
+        parallel); `wrapped`: each of them under the data-parallel engine (DDP, FSDP2 or itself),
+        in the same order. The schedule runs the wrapped ones, so DDP's no_sync and FSDP's
+        deferred reduce-scatter apply. Under cp each rank feeds the schedule its tokens of every
+        sequence (parallel/cp.py), and with no engine over dp x cp (`reduce_over_cp`) averages
+        the gradients over cp itself."""
         self.cfg, self.layout, self.device, self.rank = cfg, layout, device, rank
+        self.cp_group = mesh["cp"].get_group() if layout.cp_enabled else None
+        self.cp_rank = mesh["cp"].get_local_rank() if layout.cp_enabled else 0
+        self.reduce_over_cp = reduce_over_cp
         self.stage_ids, self.stage_modules = list(stages), list(stages.values())
         self.holds_first = 0 in stages
         self.holds_last = layout.num_stages - 1 in stages
@@ -173,18 +179,19 @@ class Pipeline(StepRunner):
 
     def _tied_weight_group(self):
         """Process group of the two ranks holding the first and last stage at this rank's
-        (dp, tp) coordinate, or None when one rank holds both. Every rank creates every group
+        (dp, cp, tp) coordinate, or None when one rank holds both. Every rank creates every group
         (new_group is collective over the world), in the same order."""
         first, last = self.layout.stage_placement[0], self.layout.stage_placement[-1]
         if first == last:
             return None
         mine = None
         for d in range(self.layout.dp):
-            for t in range(self.layout.tp):
-                pair = [self.layout.rank_of(first, d, t), self.layout.rank_of(last, d, t)]
-                group = new_group(ranks=pair)
-                if self.rank in pair:
-                    mine = group
+            for c in range(self.layout.cp):
+                for t in range(self.layout.tp):
+                    pair = [self.layout.rank_of(first, d, t, c), self.layout.rank_of(last, d, t, c)]
+                    group = new_group(ranks=pair)
+                    if self.rank in pair:
+                        mine = group
         return mine
 
     def _first(self) -> GPT:
@@ -224,6 +231,8 @@ class Pipeline(StepRunner):
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> torch.Tensor:
         self._losses = []
+        if self.layout.cp_enabled:  # this rank's tokens of every sequence (the stages know their positions)
+            x, y = (shard_sequence(t, self.cp_rank, self.layout.cp) for t in (x, y))
         args = (x.to(self.device),) if self.holds_first else ()
         target = y.to(self.device) if self.holds_last else None
         with autocast(self.cfg, self.device), loss_context(self.cfg):
@@ -241,6 +250,9 @@ class Pipeline(StepRunner):
         rank (zero elsewhere: Strategy.reduce_mean knows the loss owners)."""
         self._scale_loss = scale_loss
         loss = self._run(x, y, train=True)
+        if self.reduce_over_cp:  # every parameter this rank holds, the tied head's copy included
+            held = {id(q): q for m in self.stage_modules for q in m.parameters()}
+            average_grads_over_cp(list(held.values()), self.cp_group, self.layout.cp)
         self.sync_tied_grads()
         return loss
 
@@ -299,11 +311,11 @@ class Pipeline(StepRunner):
 
     def full_model_state_dict(self, rank):
         """Every rank gathers its stages over its dp/tp group (a collective there), then the ranks
-        at dp = tp = 0 (one per stage group, global rank 0 among them) send them to rank 0."""
+        at dp = cp = tp = 0 (one per stage group, global rank 0 among them) send them to rank 0."""
         sd = get_model_state_dict(self.parts[0], options=StateDictOptions(full_state_dict=True))
         sd = {k: v.detach().cpu().clone() for k, v in sd.items()}
         at = self.layout.coordinate(rank)
-        if at.dp != 0 or at.tp != 0:
+        if at.dp != 0 or at.tp != 0 or at.cp != 0:  # cp peers hold the same parameters
             return None
         parts = [None] * self.layout.pp if rank == 0 else None
         dist.gather_object(sd, parts, dst=0, group=self.pp_group)
@@ -311,13 +323,13 @@ class Pipeline(StepRunner):
 
     def full_tensors(self, rank, names):
         """Each tensor is gathered over the dp/tp group of a stage that holds it, and the rank at
-        dp = tp = 0 there (the first such stage, in rank order) sends it to rank 0: stages hold
+        dp = cp = tp = 0 there (the first such stage, in rank order) sends it to rank 0: stages hold
         different tensors, so rank 0 receives them one by one in `names` order. The stages' names
         are exchanged first (a list of strings per rank)."""
         sd = get_model_state_dict(self.parts[0])
         at = self.layout.coordinate(rank)
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, list(sd) if at.dp == 0 and at.tp == 0 else [])
+        dist.all_gather_object(everyone, list(sd) if at.dp == at.tp == at.cp == 0 else [])
         sender = {}
         for r, held in enumerate(everyone):
             for name in held:

@@ -192,7 +192,6 @@ def cfg_of(*overrides: str, world: int | None = None):
     (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.mixed_precision=bf16"], "parallel.mixed_precision=none"),
     (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.dp_replicate=2"], "parallel.dp_replicate=1"),
     (["parallel.cp=2", "parallel.strategy=zero"], "not 'zero'"),
-    (["parallel.cp=2", "parallel.pp=2"], "does not compose with parallel.pp yet: the pipeline passes hidden states"),
     (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.cpu_offload=true"], "no test holds the two together"),
 ])
 def test_bad_cp_configs_are_one_line(overrides, needle):

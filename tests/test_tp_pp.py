@@ -24,7 +24,9 @@ assert_tracks_in_loss; so do bf16/fp16 under cp). Two launches cover every case:
                Muon at dp=2 x tp=2 on a model whose rows FSDP2 splits unevenly, and the whole app (main.main) at tp=2 x pp=2, whose snapshot then resumes in one
                process (a pp x tp snapshot resharded to pp = tp = 1); cp=4 (no engine; ring and
                allgather), dp=2 x cp=2 with ddp and with fsdp (ring and allgather); cp=2 x tp=2
-               with no engine, fsdp, and fsdp with allgather + vocab-parallel + SP; cp=4 in bf16.
+               with no engine, fsdp, and fsdp with allgather + vocab-parallel + SP; cp=4 in bf16;
+               cp=2 x pp=2 with no engine (1F1B and ZB-V), ddp (1F1B) and fsdp (interleaved,
+               allgather).
 Layout errors are checked in-process (no process group): one line, UsageError.
 """
 from __future__ import annotations
@@ -121,6 +123,12 @@ FOUR = {
     "fsdp_cp2_tp2_allgather_vocab_sp": ("parallel.strategy=fsdp parallel.cp=2 parallel.tp=2 parallel.cp_mode=allgather "
                                         "parallel.tp_vocab_parallel=true parallel.sequence_parallel=true"),
     "cp4_bf16": "parallel.strategy=none parallel.cp=4 trainer.precision=bf16",  # 3 merges per query chunk
+    # cp x pp: the schedule runs on each rank's tokens; the first stage reads their global positions
+    "cp2_pp2": "parallel.strategy=none parallel.cp=2 parallel.pp=2",
+    "fsdp_cp2_pp2_interleaved_allgather": ("parallel.strategy=fsdp parallel.cp=2 parallel.pp=2 parallel.cp_mode=allgather "
+                                           "parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2"),
+    "cp2_pp2_zbv": "parallel.strategy=none parallel.cp=2 parallel.pp=2 parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2",
+    "ddp_cp2_pp2": "parallel.strategy=ddp parallel.cp=2 parallel.pp=2",
 }
 APP = TINY + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.save_every=10"]
 APP_MESH = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
@@ -298,6 +306,8 @@ def test_bad_config_is_one_line_usage_error(overrides, message):
 
 
 BAD_LAYOUTS = [  # (world size, overrides, message): checked before any process group work
+    (4, ["parallel.strategy=ddp", "parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=zero_bubble"],
+     "zero_bubble does not compose with data parallelism (dp x cp = 2 ranks under parallel.strategy=ddp)"),
     (3, ["parallel.tp=2"], "world size 3 is not divisible by parallel.tp * parallel.pp = 2"),
     (4, ["parallel.pp=2", "trainer.micro_batch_size=3"],
      "trainer.micro_batch_size=3 x parallel.microbatches=1 != per-rank batch 4"),
