@@ -16,6 +16,7 @@ and against measurement.
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -296,3 +297,15 @@ def test_plan_bad_flags_one_line_exit_2(argv, message, capsys):
     assert app.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_plan_prints_a_cp_layout_s_attention_bytes_and_its_balanced_work(capsys):
+    # a shipped hardware description: --plan's default (local) would calibrate this machine in a process
+    assert app.main(["--plan", "--world-size", "8", *TINY, "trainer.device=cpu", "model.dropout=0",
+                     "parallel.strategy=fsdp", "parallel.cp=4", "--hardware", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.startswith("cp: "))
+    assert line.startswith("cp: fsdp dp2 x cp4 ring sends ") and "(ring: m L (3n-2)a" in line, line
+    low, high = re.search(r"forward (\S+) to (\S+) GFLOP per cp rank", line).groups()
+    # block 16 in 4 plain pieces: the last's 4 queries see 13-16 keys (58 pairs), the first's 1-4 (10)
+    assert low == high and "would give the last rank 5.8x the first's" in line
