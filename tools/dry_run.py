@@ -4,11 +4,14 @@ prediction for the same ranks.
 
 Roles: one pp rank per distinct set of stages (first, middle and last stage, and any stage with
 another block count), each at the first and the last dp and tp position (the last ones hold the
-shorter chunks of an uneven split). Per simulated rank it compares parameters, gradients and
-Adam state (Strategy.resident_bytes), bytes saved for backward per micro-batch (SavedBytes), the
+shorter chunks of an uneven split) and, under context parallelism, the first and the last cp
+position (each holds two chunks of every sequence: the same figures, compared both ways). Per
+simulated rank it compares parameters, gradients and Adam state (Strategy.resident_bytes), bytes
+saved for backward per micro-batch (SavedBytes), the
 peak bytes allocated while the model was built, on the device and in host memory (AllocationPeak:
 "construction", "construction host") and bytes moved per collective kind (CollectiveCounter, ring
-volumes; the gradient norm's small reductions are listed, not compared) with `planner`'s figures
+volumes; the gradient norm's small reductions are listed, not compared; cp attention's sends
+and collectives as kind "cp": tools/measure.py cp_phase) with `planner`'s figures
 of that pp rank. The planner predicts the fullest position (dp 0, tp 0): there a figure must agree
 within 1% both ways; at the last positions it must not exceed the prediction by more than 1%. The
 construction is the planner's figure of the rank's own sharding position (FSDP2's padded copy of

@@ -23,6 +23,9 @@ what they leave uncovered):
   group);
 - pipeline stages get static shapes on the fake group (`_StaticStage` made by Pipeline.make_stage,
   `static_stage_args`);
+- context parallelism needs none: the fake group runs point-to-point ops (`batch_isend_irecv` of
+  the ring, each send and receive seen at the dispatcher as c10d.send / c10d.recv_) and
+  allgather's collectives, and what a rank receives is a fake tensor like every other;
 - log-step reads (`.item()` of the loss and norm) are not run: only Trainer.train_step;
 - the snapshot's DCP save plan is created (DefaultSavePlanner.create_local_plan), not written.
 """
