@@ -173,7 +173,7 @@ def test_the_plan_prices_cp_bytes_by_parallel_cp_s_formula_and_balances_attentio
     """The planner's cp bytes against the formula parallel/cp.py states (and tests against what
     its ring sends: tests/test_context_parallel.py), attention work equal on every cp rank, and
     activations per rank falling with cp."""
-    from parallel.cp import bytes_sent
+    from parallel.cp import bytes_sent, local_positions
     from planner.timing import attention_flops
 
     def planned(*overrides, world=4):
@@ -187,6 +187,9 @@ def test_the_plan_prices_cp_bytes_by_parallel_cp_s_formula_and_balances_attentio
         per_layer = bytes_sent(mode, batch=8, local_tokens=64 // 4, width=64, cp=4)
         assert cp.moved_bytes == (per_layer["forward"] + per_layer["backward"]) * 2  # 2 layers, 1 micro-batch
         assert len(set(lp.attention_flops_per_cp_rank)) == 1 and len(lp.attention_flops_per_cp_rank) == 4
+        # the (query, visible key) pairs of the positions parallel/cp.py gives each rank: query p sees p + 1 keys
+        pairs = [int((local_positions(64, r, 4) + 1).sum()) for r in range(4)]
+        assert lp.attention_flops_per_cp_rank == [4 * 64 * n * 8 * 2 for n in pairs]  # 4h x pairs x b x layers
         plain = [attention_flops(gpt_config(load_config(None, CP), 65), lp.layout, r, zigzag=False) for r in (0, 3)]
         assert plain[1] > 5 * plain[0]  # what the zigzag split avoids
         # each rank holds a quarter of the tokens (+ a copy of attention's output, + under
