@@ -114,17 +114,9 @@ def refuse_auto_precision(cfg, flag: str) -> None:
                          f"device; set trainer.precision=bf16 or fp32 (what the launch's start-up line names)")
 
 
-def refuse_cp(cfg, flag: str) -> None:
-    """The planner and the dry run price pp x dp x tp only: a cp layout would be priced as another."""
-    if cfg.parallel.cp > 1:
-        raise UsageError(f"{flag} does not model context parallelism yet (parallel.cp={cfg.parallel.cp}); "
-                         f"run it with parallel.cp=1, or launch the cp layout directly")
-
-
 def print_plan(args) -> int:
     """--plan: predictions for every layout on --world-size ranks (planner/__init__.py); no process group."""
     cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
-    refuse_cp(cfg, "--plan")
     refuse_auto_precision(cfg, "--plan")
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
@@ -153,7 +145,6 @@ def print_plan(args) -> int:
 def run_dry(args) -> int:
     """--dry-run: the real code of every rank role of --world-size ranks, beside the plan (tools/dry_run.py)."""
     cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
-    refuse_cp(cfg, "--dry-run")
     refuse_auto_precision(cfg, "--dry-run")
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:

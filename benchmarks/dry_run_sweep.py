@@ -10,9 +10,9 @@ block 32-256, the character or the GPT-2 vocabulary); a precision (fp32, bf16 au
 bf16 mixed precision); an engine (none, ddp, ZeRO-1/2/3, fsdp, HSDP); tp 1-8 with and without
 sequence parallelism and the vocabulary-parallel head; pp 1-8 with each schedule (1f1b, gpipe,
 interleaved with 2 stages per rank, zero-bubble and its V) and 1-2 micro-batches per stage;
-activation checkpointing; cp 2-4 in both modes where it composes (fp32 on none/ddp/fsdp, no tp
-or pp), which the dry run refuses so far (exit 2: it does not model cp yet), so a cp case is not
-counted as accepted until it does. Depth is 1 or 2 blocks per stage: every figure the dry run compares is per block or per
+activation checkpointing; cp 2-4 in both modes (ring, allgather) where it composes (fp32 on
+none/ddp/fsdp, no tp or pp; the dry run compares its attention bytes, kind "cp", and its
+activations of T/cp tokens with the plan). Depth is 1 or 2 blocks per stage: every figure the dry run compares is per block or per
 stage, so depth only repeats them (and the dry run's time grows with it). fp16 is not drawn: the
 dry run refuses the grad scaler (exit 2), so its bytes are only planned.
 

@@ -6,7 +6,8 @@
 One torchrun launch (CPU, gloo, all ranks on this machine, holding the machine-wide multi-process
 lock the tests use) trains every layout in turn in the same process group: the data-parallel
 strategies (ddp, zero-1/2/3, fsdp with and without reshard_after_forward), tensor parallelism,
-pipeline parallelism with each schedule, and the 2-D meshes that fit N. Per layout, after one
+pipeline parallelism with each schedule, context parallelism in both modes (ring, allgather), and
+the 2-D meshes that fit N. Per layout, after one
 warm-up step:
 
 - one step measured: parameters, gradients and Adam state read from the strategy's own tensors
@@ -61,6 +62,7 @@ from tools.measure import (
     SavedBytes,
     StageClock,
     add_timer,
+    cp_phase,
     loopback_tx_bytes,
     norm_phase,
     planner_kind,
@@ -93,6 +95,9 @@ def layouts(n: int) -> dict[str, str]:
         f"tp{n} +sp +vocab": f"parallel.strategy=none parallel.tp={n} parallel.sequence_parallel=true "
                             "parallel.tp_vocab_parallel=true",
     }
+    # context parallelism: each sequence over the n ranks, the runner averaging the gradients over cp
+    out.update({f"cp{n} {mode}": f"parallel.strategy=none parallel.cp={n} parallel.cp_mode={mode}"
+                for mode in ("ring", "allgather")})
     pp = f"parallel.strategy=none parallel.pp={n} parallel.microbatches={2 * n}"
     out.update({
         f"pp{n} gpipe": f"{pp} parallel.pp_schedule=gpipe",
@@ -140,7 +145,7 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int
             trainer.train_step()
         with held.window():
             trainer.train_step()
-    with counter, norm_phase(s, counter):
+    with counter, norm_phase(s, counter), cp_phase(counter):
         with saved.hooks():
             trainer.forward_backward()
         memory = s.resident_bytes(trainer.optimizer)
@@ -361,10 +366,11 @@ def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, ste
             "reduce-scatter / all-gather / all-to-all K(n-1)/n, a send K). ZeRO-1/2 and FSDP2 reduce-scatter on "
             "gloo as an all-to-all + local sum (parallel/collectives.py), counted as reduce-scatter. The "
             "gradient norm's reductions (one fp32 per DTensor gradient, a stage's sum) are counted apart (norm), "
-            "the planner leaves them out. Wire: what `lo` "
+            "the planner leaves them out. cp: what context-parallel attention sends (tools/measure.py cp_phase: the "
+            "ring's sends, allgather's all-gather and all-to-all reduce-scatter). Wire: what `lo` "
             "transmitted per step over the timed steps, all ranks together, TCP/IP headers included.", "",
-           "| layout | all-reduce | reduce-scatter | all-gather | send-recv | tp | norm (bytes) | total all ranks: "
-            "planned / counted / wire | wire / planned |", "|---|---|---|---|---|---|---|---|---|"]
+           "| layout | " + " | ".join(KINDS) + " | norm (bytes) | total all ranks: "
+            "planned / counted / wire | wire / planned |", "|---" * (len(KINDS) + 4) + "|"]
     for r in reps:
         cells = []
         for k in KINDS:
@@ -436,7 +442,7 @@ def plots(reps: list[LayoutReport], out: Path, n: int) -> None:
     x = range(len(names))
     w = 0.4
     bottom_p, bottom_m = [0.0] * len(reps), [0.0] * len(reps)
-    colors = dict(zip(KINDS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
+    colors = dict(zip(KINDS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
     for k in KINDS:
         p = [next((c.predicted for c in r.moved if c.what == k), 0) / 1e6 for r in reps]
         m = [next((c.measured for c in r.moved if c.what == k), 0) / 1e6 for r in reps]

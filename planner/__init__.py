@@ -15,7 +15,7 @@ Where each part lives (docs/planner.md has the formulas and their measurement):
     activations.py  bytes saved for backward (Korthikanti et al. 2022, adapted to SDPA), transients
     schedule.py     micro-batches in flight per pipeline schedule, bubble fraction
     engines.py      each data-parallel engine's memory and traffic (the ZeRO paper's formulas)
-    traffic.py      tensor- and pipeline-parallel traffic
+    traffic.py      tensor-, pipeline- and context-parallel traffic
     layout_plan.py  one layout: plan_layout
     alternatives.py every layout of a world size: check_layout, plan (ranked by predicted time)
     hardware.py     `--hardware NAME|FILE`: the devices, links and peaks a step time is predicted for

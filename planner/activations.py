@@ -45,7 +45,7 @@ def activation_model(cfg: Config, engine: Engine) -> ActivationModel:
 
 
 def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, sp: bool,
-                           checkpointed: bool) -> int:
+                           checkpointed: bool, cp: int = 1, cp_mode: str = "") -> int:
     """Bytes one transformer block saves for backward for b sequences, on one tp rank.
 
     Per block, E = b*s*h elements, A = b*(heads/tp)*s (measured with saved_tensors_hooks):
@@ -58,8 +58,12 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
       parallelism the LayerNorm inputs/stats and dropout masks are split over tp, but the
       all-gathered q/k/v and fc inputs are saved whole (DTensor keeps the gathered tensor).
       autocast's 16-bit copies of the weights are not here: `weight_copy_bytes`.
+      cp (parallel/cp.py): every rank holds s/cp tokens of each sequence, so every term is per s/cp;
+      ring attention saves what SDPA does (its own q, k, v, output and logsumexp) + E (its
+      output's copy in out_proj's layout), allgather also the gathered K/V of the whole sequence
+      instead of its own, 2 b s h (fp32), and the positions that put them in order (int64, s).
     Activation checkpointing keeps only the block input (E/tp with sp)."""
-    s, h = g.block_size, g.n_embd
+    s, h = g.block_size // cp, g.n_embd
     e = b * s * h
     seq = tp if sp else 1
     if checkpointed:
@@ -71,6 +75,11 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
     total += linear_in
     if am.fused_attention:
         total += 3 * e * am.matmul // tp + e * am.matmul // tp + 4 * b * heads * s  # q k v, out, lse
+        if cp > 1:  # cp attention's output is (b, heads, s, d) contiguous, unlike SDPA's, whose
+            # transpose to out_proj's (b, s, h) is a view: the transpose copies it, out_proj saves the copy
+            total += e * am.matmul // tp
+        if cp_mode == "allgather":  # the whole sequence's K/V in place of this rank's, and its order
+            total += 2 * b * (s * cp - s) * h * am.matmul // tp + 8 * s * cp
     else:  # math kernel: scaled q, k^T, v, softmax, dropout mask, dropped softmax, output copy;
         # autocast runs it in fp32 (measured on CPU), so only the out_proj input is 16-bit
         attn = 4 if am.casts else am.matmul
@@ -111,10 +120,10 @@ def stage_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, blocks: in
     first stage, plus ln_f, the LM head input and the loss's log-softmax (fp32, b*s*V; over
     tp ranks with vocab-parallel loss) on the last. Without autocast's weight copies
     (weight_copy_bytes)."""
-    s, h, v = g.block_size, g.n_embd, g.vocab_size
+    s, h, v = g.block_size // lay.cp, g.n_embd, g.vocab_size  # cp: this rank's tokens of each sequence
     tp, sp = lay.tp, lay.sequence_parallel
     seq = tp if sp else 1
-    total = blocks * block_activation_bytes(g, am, b, tp, sp, lay.activation_checkpointing)
+    total = blocks * block_activation_bytes(g, am, b, tp, sp, lay.activation_checkpointing, lay.cp, lay.cp_mode)
     if first:
         total += 8 * b * s + 8 * s  # token ids (the embedding's) and positions (int64)
         if g.dropout > 0:
@@ -150,15 +159,26 @@ def rank_activation_bytes(g: GPTConfig, am: ActivationModel, lay: PlannedLayout,
 
 def transient_bytes(g: GPTConfig, am: ActivationModel, lay: PlannedLayout, holds_last_stage: bool) -> int:
     """Live at the peak but not saved: the logits and their fp32 gradient at the loss,
-    b s V (e + 4) (V over tp with a vocabulary-parallel head), or with activation checkpointing
-    one block recomputed in backward, whichever is larger."""
+    b s V (e + 4) (V over tp with a vocabulary-parallel head; s/cp tokens under cp), or with
+    activation checkpointing one block recomputed in backward, or context parallelism's buffers
+    in an attention backward (`cp_buffer_bytes`), whichever is larger."""
     b = lay.micro_batch_size
-    transient = 0
+    transient = cp_buffer_bytes(g, am, lay) if lay.cp > 1 else 0
     if holds_last_stage:
         vloc = ceil_div(g.vocab_size, lay.tp if lay.tp_vocab_parallel else 1)
-        transient = b * g.block_size * vloc * (am.matmul + 4)
+        transient = max(transient, b * (g.block_size // lay.cp) * vloc * (am.matmul + 4))
     if lay.activation_checkpointing:
         full = block_activation_bytes(g, am, b, lay.tp, lay.sequence_parallel, False)
         full += _block_weights(g, lay.tp) * am.matmul if am.casts else 0  # the recompute's weight copies
         transient = max(transient, full)
     return transient
+
+
+def cp_buffer_bytes(g: GPTConfig, am: ActivationModel, lay: PlannedLayout) -> int:
+    """An estimate (the dry run compares saved bytes, not these) of what one attention backward
+    holds beyond the saved tensors under cp, with a = 2 b (s/cp) h e the K/V of one rank's tokens
+    (parallel/cp.py): ring 4a (the visiting K/V block and the one arriving, the dK/dV arriving and
+    the next ones being summed); allgather 3 cp a (the whole sequence's dK/dV, their copy in rank
+    order, and the receive buffer of gloo's all-to-all reduce-scatter)."""
+    a = 2 * lay.micro_batch_size * (g.block_size // lay.cp) * g.n_embd * am.matmul
+    return 3 * lay.cp * a if lay.cp_mode == "allgather" else 4 * a

@@ -1,8 +1,10 @@
 """When no layout fits the device memory: which knobs make what fit, with the figures.
 
 `fit_advice` plans the same job again with each knob turned: smaller micro-batches (fewer
-activations in flight: trainer.micro_batch_size), activation checkpointing, both, and more ranks
-(2x and 4x the world size), and names for each the fastest layout that fits, its peak and its
+activations in flight: trainer.micro_batch_size), activation checkpointing, both, context
+parallelism (parallel.cp = 2, 4, 8 where the world size and the block split, one sequence per
+micro-batch: the activations of s/cp tokens), and
+more ranks (2x and 4x the world size), and names for each the fastest layout that fits, its peak and its
 predicted step time (or says that it still does not fit).
 """
 from __future__ import annotations
@@ -31,6 +33,14 @@ def knobs(cfg: Config, world: int) -> list[tuple[str, dict, int]]:
             m = smaller[0]
             out.append((f"parallel.activation_checkpointing=true trainer.micro_batch_size={m}",
                         {"parallel.activation_checkpointing": True, "trainer.micro_batch_size": m}, world))
+    if cfg.parallel.cp == 1:
+        # each sequence over c ranks: a rank holds the activations of s/c tokens of each of its
+        # sequences; at one world size cp takes ranks from dp, so each rank has c times the
+        # sequences: one per micro-batch is what brings its tokens below one whole sequence's
+        for c in (2, 4, 8):
+            if world % c == 0 and cfg.model.block_size % (2 * c) == 0:
+                out.append((f"parallel.cp={c} trainer.micro_batch_size=1",
+                            {"parallel.cp": c, "trainer.micro_batch_size": 1}, world))
     for k in (2, 4):
         out.append((f"--world-size {world * k}", {}, world * k))
     return out

@@ -67,12 +67,12 @@ def check_layout(cfg: Config, world: int) -> PlannedLayout:
     lay = Layout.of(cfg, world)
     p = cfg.parallel
     # one data-parallel rank: the strategy has nothing to act on (ddp, zero-3 and fsdp leave the
-    # model as it is), so those layouts are one layout
-    engine = Engine.of(p) if lay.dp > 1 else Engine.NONE
+    # model as it is), so those layouts are one layout; under cp the engine runs over dp x cp
+    engine = Engine.of(p) if lay.dp * lay.cp > 1 else Engine.NONE
     fsdp = engine is Engine.FSDP
     return PlannedLayout(lay, engine, p.pp_schedule if lay.pp > 1 else "", p.activation_checkpointing,
                          p.sequence_parallel, p.tp_vocab_parallel,
-                         p.reshard_after_forward if fsdp else engine is Engine.ZERO3)
+                         p.reshard_after_forward if fsdp else engine is Engine.ZERO3, p.cp_mode if lay.cp > 1 else "")
 
 
 def layout_config(cfg: Config, choice: DataParallelChoice, tp: int, pp: int) -> Config:

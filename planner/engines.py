@@ -16,7 +16,9 @@ parameters again in backward: K(n-1)/n more, 3K(n-1)/n in all (without reshardin
 2K(n-1)/n). Each engine places elements as its code does: ZeRO-1/2 (parallel/zero_shard.py)
 ceil(numel / n) elements of every flattened tensor, FSDP2 ceil(dim0 / n) rows.
 
-`engine_costs(layout, parallel_config)` picks the class; one data-parallel rank is `EngineCosts`
+Under context parallelism (parallel/cp.py) the cp ranks of a sequence hold the same parameters:
+DDP and FSDP2 run over dp x cp flattened ("dp_cp", n = dp x cp ranks), as parallel/ddp.py and
+parallel/fsdp.py build them. `engine_costs(layout, parallel_config)` picks the class; one data-parallel rank is `EngineCosts`
 itself (nothing sharded, nothing moved).
 """
 from __future__ import annotations
@@ -55,13 +57,14 @@ class EngineCosts:
     4a + 4a + 8a = 16a."""
     ranks: int  # the data-parallel ranks that shard (HSDP: the ranks of one replica group)
     microbatches: int  # forward/backwards per optimizer step on one rank
+    group: str = "dp"  # where it runs: dp, or dp_cp (dp x cp flattened) under context parallelism
     shards_params: ClassVar[bool] = False
     shards_grads: ClassVar[bool] = False
     shards_state: ClassVar[bool] = False
 
     @classmethod
     def of(cls, lay: PlannedLayout, p: ParallelConfig) -> EngineCosts:
-        return cls(lay.dp_shard, lay.microbatches)
+        return cls(lay.dp_shard, lay.microbatches, lay.engine_group)
 
     def share(self, shape: tuple[int, ...]) -> int:
         """One rank's elements of a tensor this engine shards: ZeRO-1/2's torch.chunk of the
@@ -97,7 +100,7 @@ class DDPCosts(EngineCosts):
 
     @classmethod
     def of(cls, lay: PlannedLayout, p: ParallelConfig) -> DDPCosts:
-        return cls(lay.dp, lay.microbatches, separate_buckets=not p.gradient_as_bucket_view,
+        return cls(lay.grad_ranks, lay.microbatches, lay.engine_group, separate_buckets=not p.gradient_as_bucket_view,
                    bucket_cap_bytes=p.bucket_cap_mb * 2**20)
 
     def buffers(self, held: RankTensors) -> tuple[int, list[str]]:
@@ -108,7 +111,7 @@ class DDPCosts(EngineCosts):
     def collectives(self, held: RankTensors) -> list[Collective]:
         k = held.elems * PARAM_BYTES
         # the reducer all-reduces each bucket as soon as its gradients are ready, during backward
-        return [Collective("all-reduce", "dp", "gradients, once per step (no_sync while accumulating)",
+        return [Collective("all-reduce", self.group, "gradients, once per step (no_sync while accumulating)",
                            k, ring_volume(2 * k, self.ranks), "2K(n-1)/n",
                            calls=max(1, ceil_div(k, int(self.bucket_cap_bytes))), overlaps=True)]
 
@@ -124,7 +127,7 @@ class Zero1Costs(EngineCosts):
 
     @classmethod
     def of(cls, lay: PlannedLayout, p: ParallelConfig) -> Zero1Costs:
-        return cls(lay.dp, lay.microbatches, bucket_cap_bytes=p.bucket_cap_mb * 2**20)
+        return cls(lay.grad_ranks, lay.microbatches, lay.engine_group, bucket_cap_bytes=p.bucket_cap_mb * 2**20)
 
     def buffers(self, held: RankTensors) -> tuple[int, list[str]]:
         if self.ranks == 1:
@@ -136,7 +139,7 @@ class Zero1Costs(EngineCosts):
                 ["largest ZeRO bucket: " + self.bucket_note])
 
     def gradient_reduction(self, k: int, buckets: int) -> Collective:
-        return Collective("reduce-scatter", "dp", "gradients, in the last micro-batch's backward",
+        return Collective("reduce-scatter", self.group, "gradients, in the last micro-batch's backward",
                           k, ring_volume(k, self.ranks), "K(n-1)/n", calls=buckets)
 
     def collectives(self, held: RankTensors) -> list[Collective]:
@@ -146,7 +149,7 @@ class Zero1Costs(EngineCosts):
         k = sum(self.share(t.spec.shape) for t in held) * self.ranks * PARAM_BYTES
         buckets = zero_buckets(held, self.bucket_cap_bytes)
         return [self.gradient_reduction(k, buckets),
-                Collective("all-gather", "dp", "updated parameter slices", k, ring_volume(k, self.ranks), "K(n-1)/n",
+                Collective("all-gather", self.group, "updated parameter slices", k, ring_volume(k, self.ranks), "K(n-1)/n",
                            calls=buckets)]
 
 
@@ -160,7 +163,7 @@ class Zero2Costs(Zero1Costs):
 
     def gradient_reduction(self, k: int, buckets: int) -> Collective:
         m = self.microbatches
-        return Collective("reduce-scatter", "dp", f"gradients on each of {m} micro-batch(es)",
+        return Collective("reduce-scatter", self.group, f"gradients on each of {m} micro-batch(es)",
                           k * m, ring_volume(k * m, self.ranks), "m K(n-1)/n", calls=buckets * m)
 
 
@@ -205,7 +208,7 @@ class FullyShardCosts(EngineCosts):
     def of(cls, lay: PlannedLayout, p: ParallelConfig) -> FullyShardCosts:
         fsdp = lay.strategy is Engine.FSDP  # zero-3 is FSDP2 with its defaults
         mixed = fsdp and p.mixed_precision != "none"
-        return cls(lay.dp_shard, lay.microbatches, replicas=lay.dp_replicate,
+        return cls(lay.dp_shard, lay.microbatches, lay.engine_group, replicas=lay.dp_replicate,
                    reshard_after_forward=lay.reshard_after_forward, pipelined=lay.pp > 1,
                    gathered_bytes=2 if mixed else PARAM_BYTES,  # FSDP2 all-gathers in param_dtype
                    reduce_bytes=DTYPE_BYTES[p.reduce_dtype] if fsdp else PARAM_BYTES,
@@ -260,7 +263,7 @@ class FullyShardCosts(EngineCosts):
         # the root (embeddings, ln_f, head) is gathered again in backward like every block
         # (measured: benchmarks/strategy_report.py, 2 x 8 blocks + 2 root all-gathers)
         gathers = 2 if self.reshard_after_forward else 1
-        group = "dp_shard" if self.replicas > 1 else "dp"
+        group = "dp_shard" if self.replicas > 1 else self.group
         # FSDP2 moves padded dim-0 chunks, ceil(dim0 / s) rows on each of s ranks (at dp 64 the
         # small tensors' padding is 3.7% of a GPT's bytes: found by the dry run, tools/dry_run.py)
         padded = sum(self.share(t.shape) for t in held) * self.ranks

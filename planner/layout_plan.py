@@ -17,8 +17,8 @@ from planner.hardware import Hardware
 from planner.inventory import ADAM_STATE_BYTES, PARAM_BYTES, RankTensors, held_tensors
 from planner.records import Collective, LayoutPlan, PlannedLayout, RankMemory
 from planner.schedule import bubble_fraction, inflight_per_stage
-from planner.timing import compute_dtype, step_time
-from planner.traffic import pp_collectives, tp_collective
+from planner.timing import attention_flops, compute_dtype, step_time
+from planner.traffic import cp_collectives, pp_collectives, tp_collective
 from planner.units import numel
 
 
@@ -41,15 +41,16 @@ def plan_layout(cfg: Config, g: GPTConfig, lay: PlannedLayout, configured: bool,
     by_kind: dict[str, int] = {}
     for c in traffic[busiest]:
         by_kind[c.kind] = by_kind.get(c.kind, 0) + c.moved_bytes
-    total = sum(c.moved_bytes for cs in traffic for c in cs) * lay.dp * lay.tp
+    total = sum(c.moved_bytes for cs in traffic for c in cs) * lay.dp * lay.cp * lay.tp
     fits = None if device_memory is None else ranks[top].peak <= device_memory
     time = None
     if hardware is not None:
         mixed = cfg.parallel.mixed_precision if lay.strategy is Engine.FSDP else "none"
         time = step_time(g, lay, helds, traffic, [r.optimizer // ADAM_STATE_BYTES for r in ranks], hardware,
                          compute_dtype(cfg.trainer.precision, mixed), cfg.trainer.batch_size)
+    attention = [attention_flops(g, lay, r) for r in range(lay.cp)] if lay.cp > 1 else []
     return LayoutPlan(lay.name, configured, lay, ranks[top], ranks, traffic[busiest],
-                      by_kind, total, fits, bubble_fraction(lay), time)
+                      by_kind, total, fits, bubble_fraction(lay), time, attention_flops_per_cp_rank=attention)
 
 
 def rank_memory(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: EngineCosts, pp_rank: int,
@@ -112,10 +113,12 @@ def construction_bytes(held: RankTensors, engine: EngineCosts, state: ModelState
 def rank_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, engine: EngineCosts,
                      held: RankTensors, stages: list[int]) -> list[Collective]:
     """Ring volumes per optimizer step on the pp rank holding `held` and `stages`: the data-parallel
-    engine's, then tensor parallelism's, then the pipeline's."""
+    engine's, then tensor parallelism's, then the pipeline's, then context parallelism's."""
     out = engine.collectives(held)
     if lay.tp > 1:
         out.append(tp_collective(g, lay, am, held, stages))
     if lay.pp > 1:
         out += pp_collectives(g, lay, am, stages)
+    if lay.cp > 1:
+        out += cp_collectives(g, lay, am, held)
     return out

@@ -29,6 +29,7 @@ class PlannedLayout:
     sequence_parallel: bool
     tp_vocab_parallel: bool
     reshard_after_forward: bool  # fsdp's option; zero-3 always reshards; False for the others
+    cp_mode: str = ""  # parallel.cp_mode (ring | allgather) when cp > 1
 
     # what Layout says, by the names the cost formulas use
     dp = property(lambda self: self.shape.dp)
@@ -41,6 +42,18 @@ class PlannedLayout:
     num_stages = property(lambda self: self.shape.num_stages)
     stages_per_rank = property(lambda self: self.shape.num_stages // self.shape.pp)
     world = property(lambda self: self.shape.world_size)
+    cp = property(lambda self: self.shape.cp)  # context parallel: ranks each sequence is split over
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks the data-parallel engine averages (and shards) over: dp, or dp x cp flattened
+        under context parallelism (the cp ranks of a sequence hold the same parameters)."""
+        return self.dp * self.cp
+
+    @property
+    def engine_group(self) -> str:
+        """The planner's name of that group (parallel/layout.py Layout.grad_dim)."""
+        return self.shape.grad_dim
 
     @property
     def dp_replicate(self) -> int:
@@ -49,7 +62,7 @@ class PlannedLayout:
 
     @property
     def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
+        return self.grad_ranks // self.dp_replicate
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The pipeline stages placed on `pp_rank` (loop: one, interleaved: v, ZB-V: r and S-1-r)."""
@@ -60,13 +73,15 @@ class PlannedLayout:
         keep = " no-reshard" if self.strategy is Engine.FSDP and not self.reshard_after_forward else ""
         label = "hsdp" if self.dp_replicate > 1 else self.strategy.value
         shape = f"{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"{self.dp}"
-        parts = [f"{label}{keep} dp{shape}" if self.dp > 1 else "dp1"]
+        parts = [f"{label}{keep} dp{shape}" if self.grad_ranks > 1 else "dp1"]  # cp: the engine acts at dp 1
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")
                          + ("+vocab" if self.tp_vocab_parallel else ""))
         if self.pp > 1:
             v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
             parts.append(f"pp{self.pp} {self.pp_schedule}{v}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp} {self.cp_mode}")
         return " x ".join(parts)
 
     def to_record(self) -> dict:
@@ -78,14 +93,14 @@ class PlannedLayout:
                 "sequence_parallel": self.sequence_parallel, "tp_vocab_parallel": self.tp_vocab_parallel,
                 "reshard_after_forward": self.reshard_after_forward, "stage_blocks": list(self.stage_blocks),
                 "stage_placement": list(self.stage_placement), "dp_replicate": self.dp_replicate,
-                "name": self.name}
+                "cp": self.cp, "cp_mode": self.cp_mode, "name": self.name}
 
 
 @dataclass
 class Collective:
     """One kind of collective a layout issues per optimizer step (per rank, ring volumes)."""
-    kind: str  # all-reduce | reduce-scatter | all-gather | send-recv | tp
-    group: str  # dp | dp_shard | dp_replicate | tp | pp | tied (first + last pipeline stage)
+    kind: str  # all-reduce | reduce-scatter | all-gather | send-recv | tp | cp
+    group: str  # dp | dp_shard | dp_replicate | dp_cp | tp | pp | cp | tied (first + last pipeline stage)
     what: str
     payload_bytes: int  # K: bytes handed to one call, summed over the calls of one step
     moved_bytes: int  # what one rank sends per step on a ring
@@ -151,6 +166,8 @@ class LayoutPlan:
     bubble: float  # (p-1)/(m+p-1) for gpipe/1f1b; interleaved: (p-1)/(v*m+p-1)
     time: StepTime | None = None  # None without a hardware description
     aliases: list[str] = field(default_factory=list)  # other names of the same layout (zero-3 = fsdp)
+    # cp > 1: forward attention FLOPs per step of each cp rank (planner/timing.py attention_flops)
+    attention_flops_per_cp_rank: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 from planner.records import LayoutPlan, Plan
+from planner.timing import causal_pairs
 from planner.units import fmt_bytes
 
 LEGEND = """\
@@ -110,6 +111,7 @@ def _render(pl: Plan, explain: bool, width: int) -> str:
                  f"bytes moved per rank per optimizer step, busiest rank")
     if pl.layouts:
         lines.append(built_line(pl.layouts[0]))
+        lines += [cp_line(lp, pl.model["block_size"]) for lp in pl.layouts[:1] if lp.layout.cp > 1]
     if explain and pl.layouts:
         lines += explain_time(pl.layouts[0])
     lines.append(EXPLAIN if explain else LEGEND)
@@ -122,6 +124,18 @@ def built_line(lp: LayoutPlan) -> str:
     return (f"built: {display_name(lp)} allocates {fmt_bytes(m.construction)} on its fullest rank's device while the "
             f"model is built and loaded (its share of the fp32 parameters{' + DDP buckets' if ddp else ''}), and "
             f"{fmt_bytes(m.construction_host)} of host memory for the largest whole initial value (on a CPU: both)")
+
+
+def cp_line(lp: LayoutPlan, block_size: int) -> str:
+    """The first row's context parallelism: what its attention sends, and each cp rank's attention
+    work (planner/timing.py attention_flops) beside what a plain split of the sequence would give."""
+    cp = next(c for c in lp.collectives if c.kind == "cp")
+    work, n = lp.attention_flops_per_cp_rank, lp.layout.cp
+    plain = causal_pairs((n - 1) * block_size // n, block_size // n) / causal_pairs(0, block_size // n)
+    return (f"cp: {display_name(lp)} sends {fmt_bytes(cp.moved_bytes)} per rank per step for attention "
+            f"({lp.layout.cp_mode}: {cp.formula}, {cp.calls} calls); causal attention forward "
+            f"{min(work) / 1e9:.4g} to {max(work) / 1e9:.4g} GFLOP per cp rank per step on {n} ranks (chunks i and "
+            f"2cp-1-i; a plain split of the sequence would give the last rank {plain:.3g}x the first's)")
 
 
 def refusal_groups(refused: dict[str, str]) -> list[str]:

@@ -69,6 +69,28 @@ def forward_flops_per_token(g: GPTConfig, lay: PlannedLayout, held: RankTensors,
     return blocks + head, blocks
 
 
+def causal_pairs(first: int, count: int) -> int:
+    """(query, visible key) pairs of `count` consecutive query positions from `first` under a
+    causal mask: query p sees p+1 keys, sum = count x first + count (count+1) / 2."""
+    return count * first + count * (count + 1) // 2
+
+
+def attention_flops(g: GPTConfig, lay: PlannedLayout, cp_rank: int, zigzag: bool = True) -> int:
+    """Causal attention FLOPs of one cp rank's forward per optimizer step: 4 h per (query, visible
+    key) pair (q.k and p.v, 2 h each), x b x m x layers (cp takes no pp yet: every layer). Under
+    the zigzag split rank r holds chunks r and 2n-1-r of c = s/2n positions (parallel/cp.py
+    local_positions): (2n-1) c^2 + c(c+1) pairs whatever r, so the ranks' work is equal; a plain
+    split into n pieces (zigzag=False) gives the last rank about 2n-1 times the first's. The
+    kernels compute whole c x c blocks, the diagonal ones masked: equal within one block."""
+    n = lay.cp
+    if zigzag:
+        c = g.block_size // (2 * n)
+        pairs = causal_pairs(cp_rank * c, c) + causal_pairs((2 * n - 1 - cp_rank) * c, c)
+    else:
+        pairs = causal_pairs(cp_rank * g.block_size // n, g.block_size // n)
+    return 4 * g.n_embd * pairs * lay.micro_batch_size * lay.microbatches * g.n_layer
+
+
 def model_flops_per_token(g: GPTConfig) -> float:
     """model.GPT.flops_per_token without building the model: 6N + 12 L h s (N: matmul weights,
     the position embedding and an untied input embedding are lookups)."""
@@ -85,9 +107,11 @@ def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link,
     leaving the node through another rank's network card (NCCL's channels): the ring moves k
     times one card's bandwidth, up to the link inside the node that carries every ring. On a
     shared node every group is inside it."""
-    size, stride = {"dp": (lay.dp, lay.tp), "dp_shard": (lay.dp_shard, lay.tp),
-                    "dp_replicate": (lay.dp_replicate, lay.dp_shard * lay.tp), "tp": (lay.tp, 1),
-                    "pp": (2, lay.dp * lay.tp), "tied": (2, lay.dp * lay.tp * max(1, lay.pp - 1))}[group]
+    cp, tp = lay.cp, lay.tp  # cp sits between dp and tp (parallel/layout.py), dp_cp is dp x cp flattened
+    size, stride = {"dp": (lay.dp, cp * tp), "dp_shard": (lay.dp_shard, tp),
+                    "dp_replicate": (lay.dp_replicate, lay.dp_shard * tp), "tp": (tp, 1), "cp": (cp, tp),
+                    "dp_cp": (lay.dp * cp, tp), "pp": (2, lay.dp * cp * tp),
+                    "tied": (2, lay.dp * cp * tp * max(1, lay.pp - 1))}[group]
     world, per_node = lay.world, hw.devices_per_node
     span = size * stride
     if hw.shared_node or world <= per_node or (span <= per_node and per_node % span == 0):
@@ -104,7 +128,7 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple
     all-gather n-1, a send 1), the bytes sent pay the bandwidth. On a backend that runs a
     reduce-scatter as an all-reduce (gloo), sequence parallelism's reduce-scatters pay both twice."""
     n, link, where = group_link(lay, c.group, hw)
-    if c.kind == "send-recv":
+    if c.kind == "send-recv" or (c.kind == "cp" and lay.cp_mode == "ring"):  # one shift of the ring per call
         steps = 1
     elif c.kind == "all-reduce" or (c.kind == "tp" and not lay.sequence_parallel):
         steps = 2 * (n - 1)
@@ -119,7 +143,7 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple
 def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool, hw: Hardware,
                  dtype: str) -> tuple[float, float]:
     """(forward + backward seconds, recomputation seconds) of one pp rank's step."""
-    tokens = lay.micro_batch_size * lay.microbatches * g.block_size
+    tokens = lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp  # cp: this rank's tokens
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
@@ -133,7 +157,7 @@ def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
     """Fixed seconds per block per micro-batch: every block's, plus the engines' host work where a
     block is tensor-parallel (DTensor; more with sequence parallelism's redistributions) or
     FSDP2-sharded (fsdp, zero-3, HSDP)."""
-    fsdp = lay.strategy.value in ("fsdp", "zero-3") and lay.dp > 1
+    fsdp = lay.strategy.value in ("fsdp", "zero-3") and lay.grad_ranks > 1
     tp = (hw.tp_overhead + (hw.sp_overhead if lay.sequence_parallel else 0.0)) if lay.tp > 1 else 0.0
     return hw.block_overhead + tp + (hw.fsdp_overhead if fsdp else 0.0)
 
@@ -181,7 +205,8 @@ def _stretched(term: TimeTerm, share: float) -> TimeTerm:
 
 
 def _flops_note(g: GPTConfig, lay: PlannedLayout, held: RankTensors) -> str:
-    return f"3 x forward FLOPs of {held.blocks} block(s) x {lay.micro_batch_size * lay.microbatches * g.block_size} tokens"
+    tokens = lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp
+    return f"3 x forward FLOPs of {held.blocks} block(s) x {tokens} tokens"
 
 
 def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, compute: tuple[float, float],

@@ -1,7 +1,8 @@
-"""What tensor and pipeline parallelism move per optimizer step on one pipeline rank: the
+"""What tensor, pipeline and context parallelism move per optimizer step on one pipeline rank: the
 activations tensor-parallel ranks exchange around every block (`tp_collective`), the activations
 and their gradients crossing stage boundaries, and the tied embedding/head gradient reduced
-between the first and the last stage (`pp_collectives`). The data-parallel engines' traffic is
+between the first and the last stage (`pp_collectives`), the K/V blocks and their gradients the
+cp ranks of a sequence exchange in every attention layer (`cp_collectives`). The data-parallel engines' traffic is
 planner/engines.py's.
 
 E = b s h elements of one micro-batch's (b, s, h) activation, e bytes each; per rank on a ring of
@@ -117,4 +118,32 @@ def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages
         kt = vloc * g.n_embd * PARAM_BYTES
         out.append(Collective("all-reduce", "tied", "tied embedding/head gradient, first + last stage",
                               kt, kt, "2K(2-1)/2"))
+    return out
+
+
+def cp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: RankTensors) -> list[Collective]:
+    """Context parallelism (parallel/cp.py), per layer and micro-batch on one rank of a ring of n = cp.
+    The K and V of this rank's s/n tokens are a = 2 b (s/n) h e bytes (e: the matmul dtype).
+      ring:      forward n-1 K/V sends (a each), backward n-1 K/V sends again + n dK/dV sends (the
+                 last one home): (3n-2) a, one batch_isend_irecv per shift, (3n-2) shifts
+      allgather: forward one all-gather of every rank's K/V (payload n a), backward one
+                 reduce-scatter of the dK/dV of the whole sequence (payload n a): 2 (n-1) a
+    x blocks x m. Without a data-parallel engine (strategy none) the runner all-reduces every
+    gradient over cp once per step, after its micro-batches (ContextParallelLoop): 2K(n-1)/n."""
+    n, m, blocks = lay.cp, lay.microbatches, held.blocks
+    a = 2 * lay.micro_batch_size * (g.block_size // n) * g.n_embd * am.matmul
+    if lay.cp_mode == "allgather":
+        payload, moved, calls = 2 * n * a, 2 * (n - 1) * a, 2
+        what, formula = "all-gather of K/V forward, reduce-scatter of dK/dV backward, per layer", "m L 2a(n-1)"
+    else:
+        payload = moved = (3 * n - 2) * a
+        calls = 3 * n - 2
+        what, formula = "K/V around the ring forward and backward, dK/dV back to their owners, per layer", \
+            "m L (3n-2)a"
+    out = [Collective("cp", "cp", what, payload * blocks * m, moved * blocks * m,
+                      formula + ", a = 2 b (s/n) h e", calls=calls * blocks * m)]
+    if lay.strategy is Engine.NONE:
+        k = held.elems * PARAM_BYTES
+        out.append(Collective("all-reduce", "cp", "gradients over cp once per step (no data-parallel engine)",
+                              k, round(2 * k * (n - 1) / n), "2K(n-1)/n"))
     return out

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import main as app
 from checks import load_config
 from config import UsageError
 from model import GPT, GPTConfig, lm_loss
@@ -209,14 +208,6 @@ def test_cp_layout_is_a_mesh_dimension_between_dp_and_tp():
     with pytest.raises(UsageError, match="not divisible by parallel.tp \\* parallel.pp \\* parallel.cp = 4"):
         cfg_of("parallel.cp=4", world=2)
     assert Layout.of(cfg_of(), 4).grad_dim == "dp"
-
-
-@pytest.mark.parametrize("flag", ["--plan", "--dry-run"])
-def test_the_planner_and_the_dry_run_refuse_cp_in_one_line(flag, capsys, tmp_path):
-    assert app.main([flag, "--world-size", "4", *TINY, "parallel.cp=2", f"trainer.run_dir={tmp_path}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.endswith("launch the cp layout directly") and "\n" not in err and "does not model context" in err
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -146,3 +146,53 @@ def test_fsdp_over_an_uneven_tensor_parallel_vocabulary_is_materialized(capsys):
                  "parallel.tp=2", "parallel.tp_vocab_parallel=true", "trainer.batch_size=8"])
     out = capsys.readouterr().out
     assert code == 0, out
+
+
+CP = [*TINY, "model.n_layer=2", "model.dropout=0"]
+
+
+@pytest.mark.parametrize("world, overrides", [
+    # strategy none: the runner's gradient all-reduce over cp; the ring's sends
+    (2, ["parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=ring", "trainer.batch_size=2"]),
+    # fsdp at dp 1: the engine's dp x cp group has the cp group's ranks, told apart by phase; the
+    # gathered K/V of the whole sequence saved; 2 micro-batches
+    (4, ["parallel.strategy=fsdp", "parallel.cp=4", "parallel.cp_mode=allgather", "trainer.batch_size=4",
+         "trainer.micro_batch_size=2"]),
+])
+def test_context_parallel_layouts_agree_with_the_plan(world, overrides, capsys):
+    code = main(["--dry-run", "--world-size", str(world), *CP, *overrides])
+    out = capsys.readouterr().out
+    cp = world if "parallel.strategy=none" in overrides else 4
+    # the first and the last cp rank are simulated, each against the same (fullest-rank) figures
+    assert "| 2 simulated ranks |" in out and f"  0,0,0,{cp - 1}  " in out and "  0,0,0,0  " in out
+    assert len([line for line in out.splitlines() if " moved cp " in line and line.endswith(" yes")]) == 2, out
+    assert code == 0, out
+
+
+def test_the_plan_prices_cp_bytes_by_parallel_cp_s_formula_and_balances_attention():
+    """The planner's cp bytes against the formula parallel/cp.py states (and tests against what
+    its ring sends: tests/test_context_parallel.py), attention work equal on every cp rank, and
+    activations per rank falling with cp."""
+    from parallel.cp import bytes_sent, local_positions
+    from planner.timing import attention_flops
+
+    def planned(*overrides, world=4):
+        cfg = load_config(None, [*CP, "model.block_size=64", "trainer.batch_size=8", *overrides])
+        return planner.plan_layout(cfg, gpt_config(cfg, 65), check_layout(cfg, world), True, None)
+
+    one = planned("parallel.strategy=none", world=1)  # the same 8 sequences per rank, whole
+    for mode in ("ring", "allgather"):
+        lp = planned("parallel.strategy=ddp", "parallel.cp=4", f"parallel.cp_mode={mode}")
+        (cp,) = [c for c in lp.collectives if c.kind == "cp"]
+        per_layer = bytes_sent(mode, batch=8, local_tokens=64 // 4, width=64, cp=4)
+        assert cp.moved_bytes == (per_layer["forward"] + per_layer["backward"]) * 2  # 2 layers, 1 micro-batch
+        assert len(set(lp.attention_flops_per_cp_rank)) == 1 and len(lp.attention_flops_per_cp_rank) == 4
+        # the (query, visible key) pairs of the positions parallel/cp.py gives each rank: query p sees p + 1 keys
+        pairs = [int((local_positions(64, r, 4) + 1).sum()) for r in range(4)]
+        assert lp.attention_flops_per_cp_rank == [4 * 64 * n * 8 * 2 for n in pairs]  # 4h x pairs x b x layers
+        plain = [attention_flops(gpt_config(load_config(None, CP), 65), lp.layout, r, zigzag=False) for r in (0, 3)]
+        assert plain[1] > 5 * plain[0]  # what the zigzag split avoids
+        # each rank holds a quarter of the tokens (+ a copy of attention's output, + under
+        # allgather the gathered K/V of the whole sequence: 6 more E of the 16 + 1 per block)
+        quarter = one.memory.activations / 4
+        assert quarter < lp.memory.activations < quarter * (1.4 if mode == "allgather" else 1.07), mode

@@ -16,6 +16,7 @@ and against measurement.
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -296,3 +297,29 @@ def test_plan_bad_flags_one_line_exit_2(argv, message, capsys):
     assert app.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_plan_prints_a_cp_layout_s_attention_bytes_and_its_balanced_work(capsys):
+    # a shipped hardware description: --plan's default (local) would calibrate this machine in a process
+    assert app.main(["--plan", "--world-size", "8", *TINY, "trainer.device=cpu", "model.dropout=0",
+                     "parallel.strategy=fsdp", "parallel.cp=4", "--hardware", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.startswith("cp: "))
+    assert line.startswith("cp: fsdp dp2 x cp4 ring sends ") and "(ring: m L (3n-2)a" in line, line
+    low, high = re.search(r"forward (\S+) to (\S+) GFLOP per cp rank", line).groups()
+    # block 16 in 4 plain pieces: the last's 4 queries see 13-16 keys (58 pairs), the first's 1-4 (10)
+    assert low == high and "would give the last rank 5.8x the first's" in line
+
+
+def test_when_no_layout_fits_the_plan_tries_context_parallelism(capsys):
+    # 8,192 tokens of one sequence do not fit 40 MB on any layout of 4 ranks, with one sequence per
+    # micro-batch or checkpointing; split over 4 cp ranks they do (each holds 2,048 tokens)
+    assert app.main(["--plan", "--world-size", "4", "--hardware", "h100-sxm", "--device-memory", "40MB",
+                     "--reserve-memory", "1MB", "trainer.device=cpu", "model.n_layer=2", "model.n_embd=64",
+                     "model.block_size=8192", "model.dropout=0", "trainer.batch_size=4", "parallel.strategy=ddp"]) == 0
+    advice = capsys.readouterr().out.split("nothing fits; what would")[1]
+    assert "trainer.micro_batch_size=1: still nothing fits" in advice
+    assert "parallel.activation_checkpointing=true: still nothing fits" in advice
+    assert "parallel.cp=2 trainer.micro_batch_size=1: still nothing fits" in advice
+    assert "parallel.cp=4 trainer.micro_batch_size=1: 3 layouts fit, e.g. ddp dp1 x cp4 ring (mb 1 x 4)" in advice
+    assert "parallel.cp=8" not in advice  # 4 ranks cannot hold 8 cp ranks

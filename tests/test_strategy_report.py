@@ -6,8 +6,8 @@
   redistribution, a send, a sub-group's ranks), and the loopback bytes of an all-reduce and an all-gather of K bytes
   within 1% above a ring's volume, as the README says (TCP/IP headers: about 0.1% at loopback's 64 KiB packets; the
   barriers around them: a few hundred bytes);
-- the report end to end at N=2 on the tiny model with six layouts (ddp, fsdp, tp, tp + sp + vocab,
-  pp 1f1b, ZB-V): report.json
+- the report end to end at N=2 on the tiny model with eight layouts (ddp, fsdp, tp, tp + sp + vocab,
+  pp 1f1b, ZB-V, cp ring and allgather): report.json
   says predicted and measured agree as the README says they do at N=4 (memory within 128 bytes per
   category, bytes moved exactly) in every category, the peak each rank really holds through a step
   (the allocator's count) is within -5% / +12% of the planned peak for ddp, each
@@ -56,12 +56,12 @@ def test_report_end_to_end_two_processes(tmp_path):
     model = [a for a in TINY if not a.startswith(("data.path", "trainer.eval", "trainer.log", "trainer.save",
                                                   "trainer.sample", "wandb", "optimizer"))]
     r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(out), "--steps", "1", "--repeats", "2",
-                "--layouts", "ddp dp2,fsdp dp2,tp2,tp2 +sp +vocab,pp2 1f1b,pp2 zero-bubble V", *model,
+                "--layouts", "ddp dp2,fsdp dp2,tp2,tp2 +sp +vocab,pp2 1f1b,pp2 zero-bubble V,cp2 ring,cp2 allgather", *model,
                 "trainer.micro_batch_size=0"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert [lay["name"] for lay in report["layouts"]] == ["ddp dp2", "fsdp dp2", "tp2", "tp2 +sp +vocab", "pp2 1f1b",
-                                                          "pp2 zero-bubble V"]
+                                                          "pp2 zero-bubble V", "cp2 ring", "cp2 allgather"]
     for lay in report["layouts"]:
         for c in lay["memory"]:
             assert abs(c["measured"] - c["predicted"]) <= 128, (lay["name"], c)
@@ -77,6 +77,9 @@ def test_report_end_to_end_two_processes(tmp_path):
     assert {"tp"} <= {c["what"] for c in report["layouts"][2]["moved"]}
     assert {"send-recv", "all-reduce"} <= {c["what"] for c in report["layouts"][4]["moved"]}
     assert report["layouts"][4]["bubble_measured"] is not None
+    # context parallelism: attention's sends (ring) or all-gather + reduce-scatter (allgather), and the
+    # gradient all-reduce over cp, each exactly as planned (above)
+    assert all({"cp", "all-reduce"} <= {c["what"] for c in lay["moved"]} for lay in report["layouts"][6:])
     check_held_peaks(report)
     text = (out / "report.md").read_text()
     assert "| fsdp dp2 |" in text and "![memory](memory.png)" in text and "pairs ordered alike" in text

@@ -4,11 +4,14 @@ prediction for the same ranks.
 
 Roles: one pp rank per distinct set of stages (first, middle and last stage, and any stage with
 another block count), each at the first and the last dp and tp position (the last ones hold the
-shorter chunks of an uneven split). Per simulated rank it compares parameters, gradients and
-Adam state (Strategy.resident_bytes), bytes saved for backward per micro-batch (SavedBytes), the
+shorter chunks of an uneven split) and, under context parallelism, the first and the last cp
+position (each holds two chunks of every sequence: the same figures, compared both ways). Per
+simulated rank it compares parameters, gradients and Adam state (Strategy.resident_bytes), bytes
+saved for backward per micro-batch (SavedBytes), the
 peak bytes allocated while the model was built, on the device and in host memory (AllocationPeak:
 "construction", "construction host") and bytes moved per collective kind (CollectiveCounter, ring
-volumes; the gradient norm's small reductions are listed, not compared) with `planner`'s figures
+volumes; the gradient norm's small reductions are listed, not compared; cp attention's sends
+and collectives as kind "cp": tools/measure.py cp_phase) with `planner`'s figures
 of that pp rank. The planner predicts the fullest position (dp 0, tp 0): there a figure must agree
 within 1% both ways; at the last positions it must not exceed the prediction by more than 1%. The
 construction is the planner's figure of the rank's own sharding position (FSDP2's padded copy of
@@ -61,7 +64,7 @@ class Figure:
 @dataclass
 class RankReport:
     rank: int
-    coordinate: tuple[int, int, int]  # (pp, dp, tp)
+    coordinate: tuple[int, ...]  # (pp, dp, tp), and cp under context parallelism
     seconds: float
     figures: list[Figure]
     collectives: dict[str, dict]  # "kind on group (n ranks)" -> calls, payload, moved
@@ -92,7 +95,8 @@ def role_ranks(lay: Layout) -> list[int]:
         if key not in seen:
             seen.add(key)
             pp_ranks.append(r)
-    return sorted({lay.rank_of(p, d, t) for p in pp_ranks for d in {0, lay.dp - 1} for t in {0, lay.tp - 1}})
+    return sorted({lay.rank_of(p, d, t, c) for p in pp_ranks for d in {0, lay.dp - 1} for t in {0, lay.tp - 1}
+                   for c in {0, lay.cp - 1}})
 
 
 def predictions(cfg: Config, lay: PlannedLayout, vocab: int) -> list[tuple[dict[str, int], dict[str, int], Callable]]:
@@ -118,7 +122,9 @@ def predictions(cfg: Config, lay: PlannedLayout, vocab: int) -> list[tuple[dict[
 
 def compare(m: RankMeasurement, planned: tuple[dict[str, int], dict[str, int], Callable], lay: PlannedLayout) -> list[Figure]:
     memory, moved, built_at = planned
-    memory = {**memory, "construction": built_at(m.coordinate[1] % lay.dp_shard)[0]}
+    # the engine's sharding position: dp x cp flattened under cp (dp-major, as the mesh flattens it)
+    position = m.coordinate[1] * lay.cp + (m.coordinate[3] if lay.cp > 1 else 0)
+    memory = {**memory, "construction": built_at(position % lay.dp_shard)[0]}
     at_most = m.coordinate[1] != 0 or m.coordinate[2] != 0
     measured = {**m.held, "activations": m.activations_per_microbatch, "construction": m.construction,
                 "construction host": m.construction_host}
@@ -168,9 +174,11 @@ def dry_run(cfg: Config, world: int) -> DryRunReport:
 
 
 def render(report: DryRunReport) -> str:
+    cp = any(len(r.coordinate) > 3 for r in report.ranks)
     lines = [f"dry run: world {report.world_size} = {report.layout} | {len(report.ranks)} simulated ranks | "
              f"{report.seconds:.1f} s (torch's fake process group, FakeTensorMode)",
-             f"{'rank':>5}  {'pp,dp,tp':<10} {'category':<24} {'planned':>12} {'measured':>12}  agree"]
+             f"{'rank':>5}  {'pp,dp,tp' + (',cp' if cp else ''):<10} {'category':<24} {'planned':>12} "
+             f"{'measured':>12}  agree"]
     for r in report.ranks:
         where = ",".join(map(str, r.coordinate))
         for f in r.figures:
@@ -183,7 +191,8 @@ def render(report: DryRunReport) -> str:
     bad = report.disagreements()
     for r, f in bad:
         lines.append(f"disagreement: rank {r.rank} (pp {r.coordinate[0]}, dp {r.coordinate[1]}, tp "
-                     f"{r.coordinate[2]}) {f.category}: planned {fmt_bytes(f.planned)}, measured "
+                     f"{r.coordinate[2]}{f', cp {r.coordinate[3]}' if cp else ''}) {f.category}: "
+                     f"planned {fmt_bytes(f.planned)}, measured "
                      f"{fmt_bytes(round(f.measured))}")
     lines.append("every figure agrees within 1%" if not bad else f"{len(bad)} figure(s) disagree by more than 1%")
     return "\n".join(lines)

@@ -23,6 +23,9 @@ what they leave uncovered):
   group);
 - pipeline stages get static shapes on the fake group (`_StaticStage` made by Pipeline.make_stage,
   `static_stage_args`);
+- context parallelism needs none: the fake group runs point-to-point ops (`batch_isend_irecv` of
+  the ring, each send and receive seen at the dispatcher as c10d.send / c10d.recv_) and
+  allgather's collectives, and what a rank receives is a fake tensor like every other;
 - log-step reads (`.item()` of the loss and norm) are not run: only Trainer.train_step;
 - the snapshot's DCP save plan is created (DefaultSavePlanner.create_local_plan), not written.
 """
@@ -60,7 +63,7 @@ from parallel.registry import build_strategy
 from parallel.strategy import Strategy
 from snapshots.format import split_state
 from snapshots.store import SnapshotManager
-from tools.measure import AllocationPeak, Call, CollectiveCounter, SavedBytes, norm_phase
+from tools.measure import AllocationPeak, Call, CollectiveCounter, SavedBytes, cp_phase, norm_phase
 from trainer import Trainer
 
 
@@ -249,7 +252,7 @@ def _all_reduce_bucket(group, bucket):  # no annotation: DDP compares it with th
 class RankMeasurement:
     """What one simulated rank holds, saves and issues in one optimizer step."""
     rank: int
-    coordinate: tuple[int, int, int]  # (pp, dp, tp)
+    coordinate: tuple[int, ...]  # (pp, dp, tp), and cp under context parallelism
     held: dict[str, int]  # Strategy.resident_bytes: params, grads, optimizer
     activations_per_microbatch: int  # SavedBytes / micro-batches
     calls: list[Call]  # every collective of the step (phase "norm": the gradient norm's)
@@ -270,13 +273,14 @@ def measure_rank(cfg: Config, world: int, rank: int, vocab: int) -> RankMeasurem
         with FakeTensorMode(allow_non_fake_inputs=True):
             trainer, built = build_rank(cfg, s, vocab, run_dir)
             counter, saved = CollectiveCounter(), SavedBytes()
-            with counter, saved.hooks(), norm_phase(s, counter):
+            with counter, saved.hooks(), norm_phase(s, counter), cp_phase(counter):
                 trainer.train_step()
             counter.phase = "snapshot"
             with counter:
                 items, nbytes = plan_snapshot(trainer)
         c = s.coordinate
-        return RankMeasurement(rank, (c.pp, c.dp, c.tp), dict(trainer.held_bytes),
+        return RankMeasurement(rank, (c.pp, c.dp, c.tp) + ((c.cp,) if s.layout.cp_enabled else ()),
+                               dict(trainer.held_bytes),
                                saved.nbytes // s.layout.microbatches,
                                [k for k in counter.calls if k.phase != "snapshot"], group_names(s),
                                items, nbytes, [k for k in counter.calls if k.phase == "snapshot"],
@@ -300,13 +304,19 @@ def plan_snapshot(trainer: Trainer) -> tuple[int, int]:
 
 
 def group_names(strategy) -> dict[tuple[int, ...], str]:
-    """Ranks of this rank's groups -> the planner's group name (dp, tp, pp, tied)."""
+    """Ranks of this rank's groups -> the planner's group name (dp, tp, pp, cp, tied). Under cp the
+    engine's group is dp x cp flattened ("dp_cp"), named dp; at dp 1 it has the cp group's ranks."""
     out = {}
     lay = strategy.layout
+
+    def ranks(dim: str) -> tuple[int, ...]:
+        return tuple(sorted(dist.get_process_group_ranks(strategy.mesh[dim].get_group())))
     for dim in ("pp", "dp", "tp", "dp_replicate", "dp_shard"):  # the last two: HSDP's sub-groups of dp
         if getattr(lay, dim) > 1 and dim in strategy.mesh.mesh_dim_names + ("dp",):
-            ranks = tuple(sorted(dist.get_process_group_ranks(strategy.mesh[dim].get_group())))
-            out[ranks] = "dp" if dim.startswith("dp") else dim
+            out[ranks(dim)] = "dp" if dim.startswith("dp") else dim
+    if lay.cp_enabled:
+        out[ranks("cp")] = "cp"
+        out[ranks("dp_cp")] = "dp"
     tied = getattr(strategy.runner, "tied_group", None)
     if tied is not None:
         out.setdefault(tuple(sorted(dist.get_process_group_ranks(tied))), "tied")

@@ -6,7 +6,7 @@ measured per layout), benchmarks/bytes_per_strategy.py and benchmarks/pp_bubble.
 - `SavedBytes`: the bytes autograd saves for backward (torch.autograd.graph.saved_tensors_hooks),
   each storage once, parameters excluded, a DTensor by its local shard.
 - `HeldPeak` (tools/held_memory.py): the tensor bytes the process really holds through a step.
-- `CollectiveCounter`: every collective this process issues, with its payload bytes, counted at the
+- `CollectiveCounter`: every collective and point-to-point op this process issues, with its payload bytes, counted at the
   dispatcher (a TorchDispatchMode). Python wrappers of torch.distributed would miss most of them:
   DDP's reducer calls ProcessGroup::allreduce from C++, DTensor (tp) and FSDP2 go through the
   functional collectives (`torch.ops._c10d_functional.*`) or straight to the c10d ops. All of these
@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parallel.cp import Ring
 from parallel.dtensor import storage_id
 
 
@@ -241,26 +242,28 @@ class AllocationPeak(TorchDispatchMode):
 # ----------------------------------------------------------------------------- wire and time
 
 
-PLANNED_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp")  # the planner's Collective.kind
+PLANNED_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "send-recv", "tp", "cp")  # the planner's Collective.kind
 
 
 def planner_kind(call: Call, groups: dict[tuple[int, ...], str]) -> str:
     """The planner's collective kind of a measured call: `norm` for the gradient norm's reductions
-    (not part of the planner's volumes), tp for anything on the tp group, send-recv for what a
-    pipeline stage sends, the dp collectives by name (the project's gloo reduce-scatter is an
-    all-to-all + a local sum: parallel/collectives.py), the tied embedding's all-reduce; a call on
-    any other group is named with it ("KIND on another group"). `groups`: the ranks of this rank's
-    groups -> their name (tools/fake_world.py group_names)."""
-    if call.phase == "norm":
-        return "norm"
+    (not part of the planner's volumes), cp for context-parallel attention's (phase "cp":
+    `cp_phase`), tp for anything on the tp group, send-recv for what a pipeline stage sends, the
+    dp collectives by name (the project's gloo reduce-scatter is an all-to-all + a local sum:
+    parallel/collectives.py), the tied embedding's all-reduce, the gradient all-reduce over cp; a
+    call on any other group is named with it ("KIND on another group"). `groups`: the ranks of
+    this rank's groups -> their name (tools/fake_world.py group_names). The phase, not the group,
+    tells cp attention apart: at dp 1 the dp x cp group of the engine has the cp group's ranks."""
+    if call.phase in ("norm", "cp"):
+        return call.phase
     group = groups.get(call.ranks, "other")
     if group == "tp":
         return "tp"
     if call.kind in ("send", "recv"):
         return "send-recv" if call.kind == "send" else "recv"
-    if call.kind == "all-to-all" and group == "dp":
+    if call.kind == "all-to-all" and group in ("dp", "cp"):
         return "reduce-scatter"
-    return call.kind if group in ("dp", "tied", "pp") else f"{call.kind} on another group"
+    return call.kind if group in ("dp", "tied", "pp", "cp") else f"{call.kind} on another group"
 
 
 @contextlib.contextmanager
@@ -282,6 +285,29 @@ def norm_phase(strategy, counter: "CollectiveCounter"):
             strategy.clip_grad_norm_ = clip
         else:
             del strategy.clip_grad_norm_  # the class's method again
+
+
+@contextlib.contextmanager
+def cp_phase(counter: "CollectiveCounter"):
+    """While entered, what context-parallel attention sends is counted in phase "cp": every
+    transfer of parallel/cp.py's Ring (the ring's shifts, allgather mode's gather and scatter)."""
+    saved = {name: getattr(Ring, name) for name in ("start_shift", "all_gather", "reduce_scatter")}
+
+    def tagged(fn):
+        def in_phase(*args, **kwargs):
+            outer, counter.phase = counter.phase, "cp"
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter.phase = outer
+        return in_phase
+    for name, fn in saved.items():
+        setattr(Ring, name, tagged(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(Ring, name, fn)
 
 
 def loopback_tx_bytes() -> int:
