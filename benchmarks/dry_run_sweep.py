@@ -10,9 +10,9 @@ block 32-256, the character or the GPT-2 vocabulary); a precision (fp32, bf16 au
 bf16 mixed precision); an engine (none, ddp, ZeRO-1/2/3, fsdp, HSDP); tp 1-8 with and without
 sequence parallelism and the vocabulary-parallel head; pp 1-8 with each schedule (1f1b, gpipe,
 interleaved with 2 stages per rank, zero-bubble and its V) and 1-2 micro-batches per stage;
-activation checkpointing; cp 2-4 in both modes (ring, allgather) where it composes (fp32 on
-none/ddp/fsdp, no tp or pp; the dry run compares its attention bytes, kind "cp", and its
-activations of T/cp tokens with the plan). Depth is 1 or 2 blocks per stage: every figure the dry run compares is per block or per
+activation checkpointing; cp 2-4 in both modes (ring, allgather) with strategy none, ddp or
+fsdp, composed with tp, pp, bf16 autocast and recomputation (the dry run compares its attention
+bytes, kind "cp", and its activations of T/cp tokens with the plan). Depth is 1 or 2 blocks per stage: every figure the dry run compares is per block or per
 stage, so depth only repeats them (and the dry run's time grows with it). fp16 is not drawn: the
 dry run refuses the grad scaler (exit 2), so its bytes are only planned.
 
@@ -48,20 +48,20 @@ def draw(seed: int, i: int) -> tuple[int, str, list[str]]:
     """(world size, a short name, overrides) of case i of `seed`. The draw keeps to what the
     launch composes (each rule is a refusal of parallel/options.py or planner/alternatives.py):
     ddp and ZeRO-1/2 take no tp (DTensor parameters), ZeRO-1/2 no pp, the zero-bubble schedules
-    and strategy none no data parallelism (their world is tp x pp), the zero-bubble schedules no
-    recomputation, cp no tp, pp, autocast or recomputation."""
+    and strategy none no data parallelism (their world is tp x pp x cp), the zero-bubble schedules no
+    recomputation, cp no ZeRO, HSDP or FSDP2 mixed precision."""
     rng = random.Random(f"{seed}:{i}")
     engine = rng.choice(list(ENGINES))
     tp = 1 if engine in ("ddp", "zero-1", "zero-2") else rng.choice([1, 2, 4, 8])
     pp = 1 if engine in ("zero-1", "zero-2") else rng.choice([1, 2, 4, 8])
-    cp = rng.choice([2, 4]) if engine in ("none", "ddp", "fsdp") and tp == pp == 1 and rng.random() < 0.7 else 1
+    cp = rng.choice([2, 4]) if engine in ("none", "ddp", "fsdp") and rng.random() < 0.4 else 1
     schedules = SCHEDULES if engine == "none" else SCHEDULES[:3]  # zero-bubble: dp = 1
     schedule = rng.choice(schedules) if pp > 1 else []
     world = tp * pp * cp if engine == "none" else rng.choice([64, 128, 256, 512, 1024])
     if engine == "hsdp" or (engine != "none" and world < tp * pp * cp * 2):  # 2+ dp ranks (HSDP: 4)
         world = max(world, tp * pp * cp * 4)
     fsdp_mixed = ["fsdp-bf16"] if engine in ("fsdp", "hsdp") else []  # FSDP2's own mixed precision
-    precision = "fp32" if cp > 1 else rng.choice(["fp32", "bf16", "bf16", *fsdp_mixed])
+    precision = rng.choice(["fp32", "bf16", "bf16", *(fsdp_mixed if cp == 1 else [])])
     heads = rng.choice([h for h in (4, 8, 16) if h % tp == 0])  # tp splits the heads
     head_dim = rng.choice([16, 32, 64])
     block = rng.choice([32, 64, 128, 256])
@@ -87,7 +87,7 @@ def draw(seed: int, i: int) -> tuple[int, str, list[str]]:
     o += ["trainer.precision=bf16"] if precision == "bf16" else []
     o += ["parallel.mixed_precision=bf16"] if precision == "fsdp-bf16" else []
     recompute = rng.random() < 0.25  # drawn always, so later draws do not move when a rule changes
-    o += ["parallel.activation_checkpointing=true"] if recompute and cp == 1 and "zero_bubble" not in str(schedule) else []
+    o += ["parallel.activation_checkpointing=true"] if recompute and "zero_bubble" not in str(schedule) else []
     name = (f"{engine} tp{tp} pp{pp}{'' if cp == 1 else f' cp{cp}'} {precision} {depth}x{heads * head_dim}"
             f"/{heads}h s{block} {'gpt2' if gpt2 else 'char'}")
     return world, name, o

@@ -94,9 +94,10 @@ class Layout:
         if p.strategy == "zero" and plain_tensors and (p.tp > 1 or p.pp > 1):
             raise UsageError(f"parallel.zero_stage={p.zero_stage} shards plain tensors and does not compose "
                              f"with parallel.tp/pp > 1; use parallel.zero_stage=3 or parallel.strategy=fsdp")
-        if plain_tensors and p.tp > 1 and dp > 1:
+        if plain_tensors and p.tp > 1 and dp * p.cp > 1:  # under cp the engine runs on dp x cp
+            ranks = f"{dp} dp ranks" if p.cp == 1 else f"dp x cp = {dp * p.cp} ranks"
             raise UsageError(f"parallel.strategy={p.strategy} cannot data-parallelize tensor-parallel "
-                             f"(DTensor) parameters; with parallel.tp > 1 and {dp} dp ranks use "
+                             f"(DTensor) parameters; with parallel.tp > 1 and {ranks} use "
                              f"parallel.strategy=fsdp")
         if p.pp > 1:
             layout = cls._pipeline(cfg, dp, per_rank)

@@ -77,11 +77,12 @@ def tp_collective(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: R
                   stages: list[int]) -> Collective:
     """Every tensor-parallel collective of one step on this pp rank, as one record (kind "tp")."""
     tp, m, b = lay.tp, lay.microbatches, lay.micro_batch_size
-    act_m, act_r = (b * g.block_size * g.n_embd * e for e in (am.matmul, am.residual))
+    s = g.block_size // lay.cp  # cp: this rank's tokens of each sequence
+    act_m, act_r = (b * s * g.n_embd * e for e in (am.matmul, am.residual))
     first, last = 0 in stages, lay.num_stages - 1 in stages
     c = _tp_calls(lay, held.blocks, first, last)
     # loss_parallel: the max, the sum of exponentials and the target logit over the vocabulary
-    small = 3 * b * g.block_size * 4 if lay.tp_vocab_parallel and last else 0
+    small = 3 * b * s * 4 if lay.tp_vocab_parallel and last else 0
     # sequence parallel: LayerNorm gradients come out of backward as Partial DTensors (each
     # rank saw T / tp positions); Strategy.forward_backward all-reduces them once
     # (parallel/dtensor.py settle_partial_grads)
@@ -103,7 +104,8 @@ def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages
     """Stage boundaries: E per boundary per micro-batch forward (activations) and backward (their
     gradients); a tied embedding/head split over two ranks: its gradient all-reduced, 2K(2-1)/2 = K."""
     tp, m, last = lay.tp, lay.microbatches, lay.num_stages - 1
-    e = lay.micro_batch_size * g.block_size * g.n_embd * am.residual // (tp if lay.sequence_parallel else 1)
+    s = g.block_size // lay.cp  # cp: this rank's tokens of each sequence
+    e = lay.micro_batch_size * s * g.n_embd * am.residual // (tp if lay.sequence_parallel else 1)
     # a boundary between two stages of one rank (ZB-V's middle) is a local hand-over, no p2p
     where = lay.stage_placement
     sends = sum((s < last and where[s + 1] != where[s]) + (s > 0 and where[s - 1] != where[s]) for s in stages)
@@ -123,25 +125,32 @@ def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages
 
 def cp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: RankTensors) -> list[Collective]:
     """Context parallelism (parallel/cp.py), per layer and micro-batch on one rank of a ring of n = cp.
-    The K and V of this rank's s/n tokens are a = 2 b (s/n) h e bytes (e: the matmul dtype).
+    The K and V of this rank's s/n tokens are a = 2 b (s/n) (h/tp) e bytes (e: the matmul dtype;
+    tp: this rank's heads); their gradients g = 2 b (s/n) (h/tp) 4 (dK/dV are summed and sent in fp32).
       ring:      forward n-1 K/V sends (a each), backward n-1 K/V sends again + n dK/dV sends (the
-                 last one home): (3n-2) a, one batch_isend_irecv per shift, (3n-2) shifts
+                 last one home): (2n-2) a + n g, one batch_isend_irecv per shift, 3n-2 shifts
       allgather: forward one all-gather of every rank's K/V (payload n a), backward one
-                 reduce-scatter of the dK/dV of the whole sequence (payload n a): 2 (n-1) a
-    x blocks x m. Without a data-parallel engine (strategy none) the runner all-reduces every
-    gradient over cp once per step, after its micro-batches (ContextParallelLoop): 2K(n-1)/n."""
+                 reduce-scatter of the dK/dV of the whole sequence (payload n g): (n-1)(a + g)
+    and under activation checkpointing backward reruns the forward's: another (n-1) a (one more
+    all-gather, or n-1 more shifts). x blocks x m. Without a data-parallel engine (strategy none)
+    the runner all-reduces every gradient over cp once per step, after its micro-batches
+    (ContextParallelLoop): 2K(n-1)/n."""
     n, m, blocks = lay.cp, lay.microbatches, held.blocks
-    a = 2 * lay.micro_batch_size * (g.block_size // n) * g.n_embd * am.matmul
+    tokens_width = lay.micro_batch_size * (g.block_size // n) * (g.n_embd // lay.tp)
+    a, grad = 2 * tokens_width * am.matmul, 2 * tokens_width * 4
+    forwards = 2 if lay.activation_checkpointing else 1
     if lay.cp_mode == "allgather":
-        payload, moved, calls = 2 * n * a, 2 * (n - 1) * a, 2
-        what, formula = "all-gather of K/V forward, reduce-scatter of dK/dV backward, per layer", "m L 2a(n-1)"
+        payload, moved, calls = forwards * n * a + n * grad, (n - 1) * (forwards * a + grad), forwards + 1
+        what, formula = "all-gather of K/V forward, reduce-scatter of dK/dV backward, per layer", "m L (n-1)(a+g)"
     else:
-        payload = moved = (3 * n - 2) * a
-        calls = 3 * n - 2
+        payload = moved = (n - 1) * forwards * a + (n - 1) * a + n * grad
+        calls = (n - 1) * forwards + 2 * n - 1
         what, formula = "K/V around the ring forward and backward, dK/dV back to their owners, per layer", \
-            "m L (3n-2)a"
+            "m L ((2n-2)a + n g)"
+    if lay.activation_checkpointing:
+        formula += " + m L (n-1)a recomputed"
     out = [Collective("cp", "cp", what, payload * blocks * m, moved * blocks * m,
-                      formula + ", a = 2 b (s/n) h e", calls=calls * blocks * m)]
+                      formula + ", a = 2 b (s/n) (h/tp) e, g = 2 b (s/n) (h/tp) 4", calls=calls * blocks * m)]
     if lay.strategy is Engine.NONE:
         k = held.elems * PARAM_BYTES
         out.append(Collective("all-reduce", "cp", "gradients over cp once per step (no data-parallel engine)",

@@ -306,6 +306,8 @@ def test_bad_config_is_one_line_usage_error(overrides, message):
 
 
 BAD_LAYOUTS = [  # (world size, overrides, message): checked before any process group work
+    (4, ["parallel.strategy=ddp", "parallel.cp=2", "parallel.tp=2"],
+     "cannot data-parallelize tensor-parallel (DTensor) parameters; with parallel.tp > 1 and dp x cp = 2 ranks"),
     (4, ["parallel.strategy=ddp", "parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=zero_bubble"],
      "zero_bubble does not compose with data parallelism (dp x cp = 2 ranks under parallel.strategy=ddp)"),
     (3, ["parallel.tp=2"], "world size 3 is not divisible by parallel.tp * parallel.pp = 2"),

@@ -116,9 +116,10 @@ def static_stage_args(cfg: Config, layout: Layout, stage: int, device: torch.dev
     into the first stage; between stages the residual stream (b, T, C), (b, T / tp, C) under
     sequence parallelism (parallel/tp.py keeps it a local tensor), in FSDP2's parameter dtype
     when its mixed precision runs, else fp32 (autocast computes the residual stream in fp32); out
-    of the last stage the logits (only their existence matters: no stage receives them)."""
+    of the last stage the logits (only their existence matters: no stage receives them). Under
+    cp every T is this rank's T / cp tokens of each sequence."""
     p, m = cfg.parallel, cfg.model
-    b, t = layout.micro_batch_size, m.block_size
+    b, t = layout.micro_batch_size, m.block_size // layout.cp
     mixed = p.strategy == "fsdp" and p.mixed_precision != "none" and layout.dp_enabled
     hidden = DTYPES[p.mixed_precision] if mixed else torch.float32
     seq = t // layout.tp if p.sequence_parallel else t
