@@ -165,7 +165,8 @@ def test_context_parallel_layouts_agree_with_the_plan(world, overrides, capsys):
     cp = world if "parallel.strategy=none" in overrides else 4
     # the first and the last cp rank are simulated, each against the same (fullest-rank) figures
     assert "| 2 simulated ranks |" in out and f"  0,0,0,{cp - 1}  " in out and "  0,0,0,0  " in out
-    assert len([line for line in out.splitlines() if " moved cp " in line and line.endswith(" yes")]) == 2, out
+    # (a later cp position of FSDP2's dp x cp sharding compares as at most the first's: "yes (<=)")
+    assert len([line for line in out.splitlines() if " moved cp " in line and " yes" in line]) == 2, out
     assert code == 0, out
 
 

@@ -305,7 +305,7 @@ def test_plan_prints_a_cp_layout_s_attention_bytes_and_its_balanced_work(capsys)
                      "parallel.strategy=fsdp", "parallel.cp=4", "--hardware", "h100-sxm"]) == 0
     out = capsys.readouterr().out
     line = next(row for row in out.splitlines() if row.startswith("cp: "))
-    assert line.startswith("cp: fsdp dp2 x cp4 ring sends ") and "(ring: m L (3n-2)a" in line, line
+    assert line.startswith("cp: fsdp dp2 x cp4 ring sends ") and "(ring: m L ((2n-2)a + n g)" in line, line
     low, high = re.search(r"forward (\S+) to (\S+) GFLOP per cp rank", line).groups()
     # block 16 in 4 plain pieces: the last's 4 queries see 13-16 keys (58 pairs), the first's 1-4 (10)
     assert low == high and "would give the last rank 5.8x the first's" in line

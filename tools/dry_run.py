@@ -33,6 +33,7 @@ from typing import Callable
 
 from config import Config, UsageError
 from parallel.layout import Layout
+from parallel.options import Engine
 from planner.activations import activation_model
 from planner.alternatives import check_layout, refuse_unplanned_optimizer
 from planner.engines import engine_costs
@@ -125,8 +126,10 @@ def compare(m: RankMeasurement, planned: tuple[dict[str, int], dict[str, int], C
     # the engine's sharding position: dp x cp flattened under cp (dp-major, as the mesh flattens it)
     position = m.coordinate[1] * lay.cp + (m.coordinate[3] if lay.cp > 1 else 0)
     memory = {**memory, "construction": built_at(position % lay.dp_shard)[0]}
-    # a later dp, tp or sharding (dp x cp) position holds at most the fullest (first) position's share
-    at_most = m.coordinate[1] != 0 or m.coordinate[2] != 0 or position % lay.dp_shard != 0
+    # a later dp or tp position, or a later cp position of an engine that shards over dp x cp,
+    # holds at most the fullest (first) position's share
+    sharded_cp = lay.strategy in (Engine.FSDP, Engine.ZERO3) and position % lay.dp_shard != 0
+    at_most = m.coordinate[1] != 0 or m.coordinate[2] != 0 or sharded_cp
     measured = {**m.held, "activations": m.activations_per_microbatch, "construction": m.construction,
                 "construction host": m.construction_host}
     figures = [Figure(k, memory[k], measured.get(k, 0), at_most) for k in memory]
