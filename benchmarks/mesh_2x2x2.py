@@ -1,5 +1,6 @@
 """The full 3-D mesh: dp=2 x tp=2 x pp=2 on 8 processes (CPU, gloo) against one process, and
-HSDP x tp (2 replicas x 2 shards x tp 2) in the same launch.
+in the same launch HSDP x tp (2 replicas x 2 shards x tp 2) and context parallelism inside 3-D
+meshes (cp 2 x tp 2 x pp 2; dp 2 x cp 2 x tp 2).
 
 Trains the tests' TINY model for 6 steps with FSDP2 over dp, Megatron TP over tp and a 1F1B
 pipeline over pp (tied embedding/head: first and last stage sum its gradient), in ONE 8-process
@@ -35,6 +36,10 @@ STEPS = 6
 MESH = "parallel.strategy=fsdp parallel.tp=2 parallel.pp=2 parallel.pp_schedule=1f1b"
 # HSDP composed with tensor parallelism on the same 8 processes: dp_replicate 2 x dp_shard 2 x tp 2
 HSDP_TP = "parallel.strategy=fsdp parallel.dp_replicate=2 parallel.tp=2"
+# context parallelism inside 3-D meshes on the same 8 processes: cp 2 x tp 2 x pp 2 (ring), and
+# dp 2 x cp 2 x tp 2 (allgather; FSDP2 over dp x cp)
+CP_MESHES = {"cp_tp_pp": "parallel.strategy=fsdp parallel.cp=2 parallel.tp=2 parallel.pp=2",
+             "dp_cp_tp": "parallel.strategy=fsdp parallel.cp=2 parallel.tp=2 parallel.cp_mode=allgather"}
 # gpt2_train_cfg.yaml untouched but for the corpus, the run folder and a short run (3 steps, 2 eval batches)
 DEFAULT_STEPS = 3
 DEFAULT_APP = [f"data.path={CORPUS}", f"trainer.max_steps={DEFAULT_STEPS}", "trainer.eval_batches=2"]
@@ -49,7 +54,7 @@ def worker(out: Path, with_app: bool) -> None:
 
     import main
 
-    save_cases([("mesh", MESH), ("hsdp_tp", HSDP_TP)], STEPS, out, evaluate=True)
+    save_cases([("mesh", MESH), ("hsdp_tp", HSDP_TP), *CP_MESHES.items()], STEPS, out, evaluate=True)
     if with_app:
         codes = [main.main(TINY + MESH.split() + [f"trainer.max_steps={STEPS}", f"trainer.run_dir={out / 'app'}"],
                            keep_process_group=True)]
@@ -94,6 +99,11 @@ def measure(out: Path, app: bool) -> int:
     print(f"hsdp 2x2 x tp 2: max differences: gradient norm {errors['norm_rel']:.1e} rel, parameters "
           f"after the last step {errors['param_abs']:.1e} abs")
     assert_parity(ref, hsdp, "dp_replicate2 x dp_shard2 x tp2")
+    for name in CP_MESHES:
+        errors = parity_errors(ref, load_case(out, name))
+        print(f"{name}: max differences: gradient norm {errors['norm_rel']:.1e} rel, parameters "
+              f"after the last step {errors['param_abs']:.1e} abs")
+        assert_parity(ref, load_case(out, name), name)
     print("parity: OK")
     if app:
         codes = json.loads((out / "app_exit_codes.json").read_text())

@@ -1,6 +1,7 @@
 """The full 3-D mesh in CI: dp=2 x tp=2 x pp=2 on 8 processes matches one process
 (testing/parity.py: first-step gradients, loss and gradient norm at each of 6 steps, parameters
-after the first and last step; val loss), HSDP x tp does too, and main.py on that mesh trains like
+after the first and last step; val loss), HSDP x tp does too, and so do cp 2 x tp 2 x pp 2 (ring)
+and dp 2 x cp 2 x tp 2 (allgather), and main.py on that mesh trains like
 main.py in one process (loss and gradient norm at each log step, the weights in model.pt). Runs
 benchmarks/mesh_2x2x2.py (the session's one 8-process launch, conftest.eight_processes), which
 prints the figures; the checks are made here, on the figures it keeps, against a one-process run
@@ -28,6 +29,9 @@ def test_dp2_tp2_pp2_matches_one_process_and_the_app_runs(eight_processes, tmp_p
     assert_parity(ref, mesh, "dp2 x tp2 x pp2")
     assert abs(mesh["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"], (mesh["val_loss"], ref["val_loss"])
     assert_parity(ref, load_case(out, "hsdp_tp"), "dp_replicate2 x dp_shard2 x tp2")
+    # context parallelism inside 3-D meshes: cp 2 x tp 2 x pp 2 (ring), dp 2 x cp 2 x tp 2 (allgather)
+    assert_parity(ref, load_case(out, "cp_tp_pp"), "cp2 x tp2 x pp2")
+    assert_parity(ref, load_case(out, "dp_cp_tp"), "dp2 x cp2 x tp2 allgather")
     # the app: main.py on the mesh against main.py in one process, the same config otherwise
     assert json.loads((out / "app_exit_codes.json").read_text())[0] == 0
     one = tmp_path / "one"
