@@ -75,8 +75,9 @@ def block_activation_bytes(g: GPTConfig, am: ActivationModel, b: int, tp: int, s
     total += linear_in
     if am.fused_attention:
         total += 3 * e * am.matmul // tp + e * am.matmul // tp + 4 * b * heads * s  # q k v, out, lse
-        if cp > 1:  # cp attention's output is (b, heads, s, d) contiguous, unlike SDPA's, whose
-            # transpose to out_proj's (b, s, h) is a view: the transpose copies it, out_proj saves the copy
+        if cp > 1 and heads > 1:  # cp attention's output is (b, heads, s, d) contiguous, unlike
+            # SDPA's, whose transpose to out_proj's (b, s, h) is a view: the transpose copies it and
+            # out_proj saves the copy (with one head on the rank the transpose is a view: no copy)
             total += e * am.matmul // tp
         if cp_mode == "allgather":  # the whole sequence's K/V in place of this rank's, and its order
             total += 2 * b * (s * cp - s) * h * am.matmul // tp + 8 * s * cp
