@@ -3,7 +3,9 @@
 Rank 0 plans the launched world size for every pipeline schedule, micro-batch count and
 activation checkpointing on and off (each plan covers every strategy x tp x pp the launch checks
 accept, under tp with the faster LM head: planner/alternatives.py head_choices), keeps the layouts that fit `parallel.device_memory` (default: the GPU's memory less the
-runtime reserve; on CPU no limit unless set) and takes the fastest predicted one; every rank gets
+runtime reserve; on CPU no limit unless set) and takes the fastest predicted one; when none
+fits, it searches again with each sequence split over 2, 4 or 8 ranks (`parallel.cp`, the
+smallest that fits); every rank gets
 the resolved `parallel` section by a broadcast, so all ranks run the same layout whatever each
 would measure. The resolved section, with `auto_world_size` set to the world size, is what
 config.yaml records: a later launch of `parallel.strategy=auto` on the same world size into the
@@ -74,9 +76,30 @@ def budget(cfg: Config, env: DistEnv) -> tuple[int | None, int]:
     return memory, default_reserve(memory) if env.device.type == "cuda" else 0
 
 
+CP_DEGREES = (2, 4, 8)  # parallel.cp tried when nothing fits without it
+
+
 def candidates(cfg: Config, world: int, memory: int | None, reserve: int,
                hardware: Hardware) -> list[tuple[LayoutPlan, Config]]:
-    """Every layout that fits, with the config it came from, fastest first."""
+    """Every layout that fits, with the config it came from, fastest first. When none fits, the
+    same search with each sequence split over c = 2, 4, 8 ranks (context parallelism: the
+    activations of s/c tokens per rank), the smallest c that fits, where the world size, the
+    block (2c chunks) and the model (dropout 0) allow it."""
+    found = _search(cfg, world, memory, reserve, hardware)
+    m = cfg.model
+    for c in CP_DEGREES:
+        if found or cfg.parallel.cp != 1:
+            break
+        if world % c or m.block_size % (2 * c) or m.dropout > 0:
+            continue
+        split = copy.deepcopy(cfg)
+        split.parallel.cp = c
+        found = _search(split, world, memory, reserve, hardware)
+    return found
+
+
+def _search(cfg: Config, world: int, memory: int | None, reserve: int,
+            hardware: Hardware) -> list[tuple[LayoutPlan, Config]]:
     found: list[tuple[LayoutPlan, Config]] = []
     for ac in (False, True):
         for schedule in SCHEDULES:

@@ -51,3 +51,19 @@ def test_auto_bad_values_one_line_exit_2(tmp_path, capsys, overrides, message):
     assert app.main([*TINY, f"trainer.run_dir={tmp_path}", *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_auto_splits_each_sequence_when_nothing_else_fits():
+    """8,192 tokens of one sequence fit no layout of 4 ranks in 32.5 MB, with or without
+    recomputation (the smallest plan: 34.5 MB); split over 4 cp ranks they do (each holds 2,048;
+    fsdp: 31.7 MB): auto resolves to the fastest cp layout, and the launch's checks accept it."""
+    cfg = load_config(None, ["trainer.device=cpu", "model.n_layer=2", "model.n_embd=64", "model.block_size=8192",
+                             "model.dropout=0", "trainer.batch_size=4", "trainer.micro_batch_size=1",
+                             "parallel.strategy=auto"])
+    hardware = load_hardware("h100-sxm", "fp32")
+    found = candidates(cfg, 4, 33 * 10**6, 5 * 10**5, hardware)
+    assert found and all(v.parallel.cp == 4 for _, v in found), [v.parallel.cp for _, v in found]
+    chosen = resolved_config(*found[0], 4).parallel
+    assert (chosen.cp, chosen.strategy) == (4, "fsdp") and found[0][0].fits, chosen
+    # with room for the whole sequence no cp is tried
+    assert all(v.parallel.cp == 1 for _, v in candidates(cfg, 4, 10**9, 10**6, hardware))
