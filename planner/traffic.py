@@ -152,7 +152,13 @@ def cp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: 
     out = [Collective("cp", "cp", what, payload * blocks * m, moved * blocks * m,
                       formula + ", a = 2 b (s/n) (h/tp) e, g = 2 b (s/n) (h/tp) 4", calls=calls * blocks * m)]
     if lay.strategy is Engine.NONE:
-        k = held.elems * PARAM_BYTES
+        # the vocabulary-parallel embedding's gradient comes back whole on every tp rank
+        # (docs/layouts.md), so the runner reduces V rows of it, not its V/tp; unless the head
+        # is the same tensor (tied, one stage), whose gradient then holds the rank's rows
+        one_tensor = g.tie_weights and lay.pp == 1
+        whole_emb = sum((g.vocab_size - t.shape[0]) * g.n_embd for t in held
+                        if t.spec.name == "tok_emb.weight" and t.shape[0] != g.vocab_size and not one_tensor)
+        k = (held.elems + whole_emb) * PARAM_BYTES
         out.append(Collective("all-reduce", "cp", "gradients over cp once per step (no data-parallel engine)",
                               k, round(2 * k * (n - 1) / n), "2K(n-1)/n"))
     return out

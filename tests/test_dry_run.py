@@ -206,3 +206,14 @@ def test_cp_with_one_head_per_tp_rank_plans_no_output_copy(capsys):
                  "model.n_head=2", "trainer.batch_size=2", "trainer.micro_batch_size=1"])
     out = capsys.readouterr().out
     assert code == 0 and "every figure agrees within 1%" in out, out
+
+
+def test_cp_without_an_engine_reduces_the_whole_vocab_parallel_embedding_gradient(capsys):
+    """Strategy none under cp all-reduces every gradient over cp; a pipeline's first stage holds
+    the vocabulary-parallel embedding without its tied head, and that gradient comes back whole
+    on every tp rank: V rows go over the wire, not V/tp (the sweep found it 52% under-planned)."""
+    code = main(["--dry-run", "--world-size", "8", *CP, "parallel.strategy=none", "parallel.cp=2", "parallel.tp=2",
+                 "parallel.pp=2", "parallel.tp_vocab_parallel=true", "trainer.batch_size=2",
+                 "trainer.micro_batch_size=1", "parallel.microbatches=2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "every figure agrees within 1%" in out, out
