@@ -38,10 +38,11 @@ ENGINES = {"none": ["parallel.strategy=none"], "ddp": ["parallel.strategy=ddp"],
            "zero-3": ["parallel.strategy=zero", "parallel.zero_stage=3"],
            "fsdp": ["parallel.strategy=fsdp"], "hsdp": ["parallel.strategy=fsdp", "parallel.dp_replicate=2"]}
 # a fixed sample for tests/test_dry_run_sweep.py: cases of seed 0 that the launch accepts, small
-# enough for the suite (tens of seconds each): ddp x pp2 in bf16 at 1,024 ranks, ZeRO-2, ZeRO-1 in
-# bf16 at 512 (its padding), HSDP x tp2 with FSDP2's bf16 and the vocabulary-parallel head, HSDP
-# in bf16 with activation checkpointing
-CI_SAMPLE = (0, [1, 2, 3, 13, 46])
+# enough for the suite (4-25 s each here): ddp x pp2 in bf16 at 1,024 ranks, ZeRO-2, ZeRO-1 in bf16
+# at 512 (its padding), HSDP x tp2 with FSDP2's bf16 and the vocabulary-parallel head, and two cp
+# cases the planner was found wrong on: tp4 x pp2 (ZB-V) x cp2 in bf16 with one head per tp rank,
+# tp2 x pp8 x cp4 in bf16 with the vocabulary-parallel head and no engine
+CI_SAMPLE = (0, [1, 2, 3, 13, 15, 28])
 
 
 def draw(seed: int, i: int) -> tuple[int, str, list[str]]:
