@@ -38,6 +38,7 @@ from launch.stopping import (
     launch_command,
     raise_interrupted,
     stop_while_loading,
+    training_progress,
 )
 
 # Kineto (torch.profiler's engine, trainer.profile) prints `USDT: ... profiler_start` and `profiler_stop`
@@ -174,7 +175,8 @@ def main(argv=None, keep_process_group: bool = False) -> int:
         return 0 if code is None else code  # record() turns argparse's SystemExit(0) (--help) into None
     except Interrupted as e:  # launch/app.py reports it once the config exists; before that, here
         if int(os.environ.get("RANK", "0")) == 0 and not e.reported:
-            print(interrupted_line(e.signum, launch_command(resume_never=False)), flush=True)
+            print(interrupted_line(e.signum, launch_command(resume_never=False), training=training_progress()),
+                  flush=True)
         die_by(e.signum)
         return 128 + e.signum  # only if the signal did not end the process
     except Exception as e:

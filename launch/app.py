@@ -26,7 +26,15 @@ from launch.build import build_parts, fallback_corpus
 from launch.runlock import lock_run_dir
 from launch.sampling import SAMPLE_FILE, write_sample
 from launch.schedule import schedule_change, schedule_notes
-from launch.stopping import STOP_SIGNALS, Interrupted, interrupted_line, launch_command, stop_line
+from launch.stopping import (
+    STOP_SIGNALS,
+    Interrupted,
+    interrupted_line,
+    launch_command,
+    stop_line,
+    training_began,
+    training_progress,
+)
 from observe.profiling import profile_note
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, cpu_devices, init_distributed, local_world_size, shutdown
@@ -66,6 +74,7 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
         cfg, layout_lines = choose_layout(cfg, env)
         auto_lines += layout_lines
     lock, trainer, summary = None, None, None
+    training_began(None)  # a caller may run several launches in one process (the tests' workers)
     try:
         corpus = fallback_corpus(cfg, env)  # may move run_dir: before the lock
         run_dir = Path(cfg.trainer.run_dir).expanduser()
@@ -77,6 +86,7 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
             if not go_on:
                 return 0
             _start(args, cfg, env, trainer, run_dir, auto_lines + ([schedule_note] if schedule_note else []))
+            training_began(lambda: (trainer.step, trainer.last_snapshot))
             summary = train_until_stopped(trainer)
         if summary.stopped:
             trainer.close_tracker()
@@ -90,7 +100,8 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
             final = str(trainer.last_snapshot) if summary is not None else None
             # this launch saved nothing (or finished): its own command, trainer.resume as it was
             print(interrupted_line(e.signum, launch_command(resume_never=False), final,
-                                   Path(cfg.trainer.run_dir).expanduser()), flush=True)
+                                   Path(cfg.trainer.run_dir).expanduser(),
+                                   training_progress() if final is None else None), flush=True)
         e.reported = True
         raise
     finally:

@@ -14,9 +14,25 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what SLURM, Kubernetes, torchrun and a terminal send before a kill
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+# The launch's training, once its step loop began (launch/app.py run): () -> (step, newest
+# snapshot). A stop signal that arrives after an error left the loop, while the launch unwinds,
+# is reported with it (main.py) instead of as a start-up.
+_training: Callable[[], tuple[int, object]] | None = None
+
+
+def training_began(progress: Callable[[], tuple[int, object]] | None) -> None:
+    global _training
+    _training = progress
+
+
+def training_progress() -> tuple[int, object] | None:
+    return _training() if _training is not None else None
 
 
 class Interrupted(BaseException):
@@ -99,13 +115,20 @@ def stop_line(signum: int, step: int, snapshot: str, command: str | None) -> str
 
 
 def interrupted_line(signum: int, command: str | None, final_snapshot: str | None = None,
-                     run_dir: Path | None = None) -> str:
+                     run_dir: Path | None = None, training: tuple[int, Path | None] | None = None) -> str:
     """The closing line of a launch interrupted outside the step loop: during start-up (nothing of
-    this launch is saved; the run folder is as a relaunch needs it) or after training
-    (`final_snapshot` is written; model.pt or sample.txt may be missing)."""
+    this launch is saved; the run folder is as a relaunch needs it), after training
+    (`final_snapshot` is written; model.pt or sample.txt may be missing), or while training left
+    the step loop by an error (`training`: the step it reached and the newest snapshot, which a
+    relaunch resumes from)."""
     name = signal.Signals(signum).name
     if final_snapshot is not None:
         return (f"stopped by {name} after training: saved {final_snapshot}, but model.pt or sample.txt may "
                 f"be missing; to write model.pt: python export.py --run-dir {shlex.quote(str(run_dir))}")
+    if training is not None:
+        step, newest = training
+        how = f"to resume: {command}" if command else "run the same command again to resume"
+        resumes = f"the newest snapshot is {newest}" if newest else "no snapshot yet"
+        return f"stopped by {name} at step {step}, outside a step (after an error): {resumes}; {how}"
     how = f"to relaunch: {command}" if command else "run the same command again to relaunch"
     return f"stopped by {name} during start-up: this launch saved nothing; {how}"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import launch.stopping as stopping
 import main as app
 from checks import load_config
 from conftest import LONG_DDP_REFERENCE
@@ -262,3 +263,21 @@ def test_fp16_steps_the_grad_scaler_skips_are_not_failures(tmp_path):
     assert trainer.train().final_step == 4
     assert trainer.scaler.get_scale() == 2.0**96  # all 4 steps had inf gradients and were skipped
     assert snapshots(run) == ["step_0000004"]
+
+
+def test_a_signal_after_training_began_names_its_step_and_snapshot_not_a_start_up(tmp_path):
+    """A stop signal that reaches a rank while an error unwinds it out of the step loop (a peer
+    killed mid-save: the collective fails, then torchrun's SIGTERM arrives) is reported by main.py
+    from what the launch recorded when its loop began: the step it reached and the newest snapshot
+    a relaunch resumes from. Here a launch trains 4 steps; its record then reads as that signal's
+    line would."""
+    run = tmp_path / "run"
+    assert app.main(TINY + ["parallel.strategy=none", "trainer.max_steps=4", "trainer.save_every=2",
+                            "trainer.sample_tokens=0", f"trainer.run_dir={run}"]) == 0
+    step, newest = stopping.training_progress()
+    assert step == 4 and Path(newest) == run / "snapshots" / "step_0000004", (step, newest)
+    line = stopping.interrupted_line(signal.SIGTERM, "torchrun main.py", training=(step, newest))
+    assert line == (f"stopped by SIGTERM at step 4, outside a step (after an error): the newest snapshot is "
+                    f"{newest}; to resume: torchrun main.py"), line
+    stopping.training_began(None)
+    assert "during start-up" in stopping.interrupted_line(signal.SIGTERM, None, training=stopping.training_progress())
