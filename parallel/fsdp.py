@@ -143,4 +143,4 @@ class FSDPStrategy(Strategy):
     # resident_bytes come from the base class: they already handle DTensor parameters and
     # gradients (norm and full_tensor() reduce over the mesh, DCP's get_state_dict gives
     # plain-FQN DTensor state, resident bytes read each DTensor's local shard). fp16: the grad
-    # scaler agrees on inf/nan over the dp group (grads_sharded, parallel/scaler.py).
+    # scaler agrees on inf/nan over the dp group, dp x cp under cp (grads_sharded, parallel/scaler.py).

@@ -178,6 +178,11 @@ class Layout:
         return self.cp > 1
 
     @property
+    def grad_ranks(self) -> int:
+        """The ranks over which gradients are averaged (the data-parallel engine's): dp, x cp under cp."""
+        return self.dp * self.cp
+
+    @property
     def grad_dim(self) -> str:
         """The mesh dimension over which gradients are averaged: "dp", or "dp_cp" under cp (the cp
         ranks of a sequence hold the same parameters, each with its own tokens' gradient)."""

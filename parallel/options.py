@@ -141,7 +141,8 @@ PP_ONLY = ("pp_schedule", "microbatches", "pp_split", "pp_stages_per_rank")  # d
 TP_ONLY = ("tp_vocab_parallel", "sequence_parallel")  # false unless parallel.tp > 1
 CP_ONLY = ("cp_mode",)  # defaults unless parallel.cp > 1
 # The engines context parallelism composes with so far (each proven equal to one process by a parity
-# test, as are tp, activation checkpointing, bf16/fp16 autocast and compile with cp: tests/test_tp_pp.py).
+# test; the combinations with tp, pp, recomputation, autocast and compile that have a case of their
+# own are listed in docs/layouts.md, the rest in docs/correctness.md).
 CP_STRATEGIES = ("none", "ddp", "fsdp")
 
 
@@ -161,8 +162,8 @@ def _context_parallel_problems(cfg: Config) -> Iterator[str]:
                "runs one process; use parallel.strategy=ddp or none under torchrun")
     elif p.strategy not in CP_STRATEGIES:
         yield (f"parallel.cp > 1 runs with parallel.strategy={' or '.join(CP_STRATEGIES)} so far, not "
-               f"'{p.strategy}'{' (auto does not plan cp)' if p.strategy == 'auto' else ''}: no test holds the "
-               f"two together to one process's training yet; change the strategy")
+               f"'{p.strategy}'{' (auto chooses parallel.cp itself when nothing fits: leave cp at 1)' if p.strategy == 'auto' else ''}"
+               f": no test holds the two together to one process's training yet; change the strategy")
     for key, value, fix in (("mixed_precision", p.mixed_precision != "none", "parallel.mixed_precision=none"),
                             ("dp_replicate", p.dp_replicate > 1, "parallel.dp_replicate=1"),
                             ("cpu_offload", p.cpu_offload, "parallel.cpu_offload=false")):
@@ -174,8 +175,10 @@ def _context_parallel_problems(cfg: Config) -> Iterator[str]:
 def _model_split_problems(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> Iterator[str]:
     """Tensor/pipeline-parallel checks that need only the config (the batch split needs the world
     size: Layout.of)."""
-    if p.sequence_parallel and m.block_size % p.tp:
-        yield (f"model.block_size={m.block_size} is not divisible by parallel.tp={p.tp}; "
+    local = m.block_size // p.cp if m.block_size % (2 * p.cp) == 0 else m.block_size  # cp: this rank's tokens
+    if p.sequence_parallel and local % p.tp:
+        held = f"model.block_size={m.block_size}" if p.cp == 1 else f"each cp rank's {local} tokens (block / cp)"
+        yield (f"{held} is not divisible by parallel.tp={p.tp}; "
                f"sequence parallelism splits the sequence across tensor-parallel ranks")
     if p.pp == 1:
         return

@@ -37,8 +37,8 @@ def make_grad_scaler(cfg: Config, layout: Layout, mesh: DeviceMesh | None, devic
         return None
     if layout.tp_enabled or layout.pp_enabled:
         group = dist.group.WORLD
-    elif grads_sharded_over_dp and layout.dp_enabled:
-        group = mesh["dp"].get_group()
+    elif grads_sharded_over_dp and layout.grad_ranks > 1:  # FSDP2 shards over dp (x cp under cp)
+        group = mesh[layout.grad_dim].get_group()
     else:
         return torch.amp.GradScaler(device.type)
     scaler = DistributedGradScaler(device.type, process_group=group)

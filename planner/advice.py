@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 
 from config import Config, UsageError
-from planner.alternatives import plan
+from planner.alternatives import cp_degrees, plan
 from planner.hardware import Hardware
 from planner.render import display_name, fmt_seconds
 from planner.units import fmt_bytes
@@ -37,10 +37,9 @@ def knobs(cfg: Config, world: int) -> list[tuple[str, dict, int]]:
         # each sequence over c ranks: a rank holds the activations of s/c tokens of each of its
         # sequences; at one world size cp takes ranks from dp, so each rank has c times the
         # sequences: one per micro-batch is what brings its tokens below one whole sequence's
-        for c in (2, 4, 8):
-            if world % c == 0 and cfg.model.block_size % (2 * c) == 0:
-                out.append((f"parallel.cp={c} trainer.micro_batch_size=1",
-                            {"parallel.cp": c, "trainer.micro_batch_size": 1}, world))
+        for c in cp_degrees(cfg, world):
+            out.append((f"parallel.cp={c} trainer.micro_batch_size=1",
+                        {"parallel.cp": c, "trainer.micro_batch_size": 1}, world))
     for k in (2, 4):
         out.append((f"--world-size {world * k}", {}, world * k))
     return out

@@ -222,3 +222,10 @@ def head_choices(cfg: Config) -> list[Config]:
     vocab = copy.deepcopy(cfg)
     vocab.parallel.tp_vocab_parallel = True
     return [cfg, vocab]
+
+
+def cp_degrees(cfg: Config, world: int) -> list[int]:
+    """The parallel.cp values the planner tries when nothing fits (auto's search, --plan's
+    advice): 2, 4, 8 where the world size and the block (2 cp chunks) split and dropout is 0."""
+    m = cfg.model
+    return [c for c in (2, 4, 8) if world % c == 0 and m.block_size % (2 * c) == 0 and m.dropout == 0]

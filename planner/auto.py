@@ -30,7 +30,7 @@ import yaml
 from config import Config, ParallelConfig, UsageError
 from parallel.env import DistEnv
 from parallel.options import Engine
-from planner.alternatives import DataParallelChoice, check_layout, layout_config, plan
+from planner.alternatives import DataParallelChoice, check_layout, cp_degrees, layout_config, plan
 from planner.hardware import Hardware, load_hardware
 from planner.records import LayoutPlan
 from planner.render import display_name, fmt_seconds
@@ -76,9 +76,6 @@ def budget(cfg: Config, env: DistEnv) -> tuple[int | None, int]:
     return memory, default_reserve(memory) if env.device.type == "cuda" else 0
 
 
-CP_DEGREES = (2, 4, 8)  # parallel.cp tried when nothing fits without it
-
-
 def candidates(cfg: Config, world: int, memory: int | None, reserve: int,
                hardware: Hardware) -> list[tuple[LayoutPlan, Config]]:
     """Every layout that fits, with the config it came from, fastest first. When none fits, the
@@ -86,12 +83,9 @@ def candidates(cfg: Config, world: int, memory: int | None, reserve: int,
     activations of s/c tokens per rank), the smallest c that fits, where the world size, the
     block (2c chunks) and the model (dropout 0) allow it."""
     found = _search(cfg, world, memory, reserve, hardware)
-    m = cfg.model
-    for c in CP_DEGREES:
-        if found or cfg.parallel.cp != 1:
+    for c in cp_degrees(cfg, world) if cfg.parallel.cp == 1 else ():
+        if found:
             break
-        if world % c or m.block_size % (2 * c) or m.dropout > 0:
-            continue
         split = copy.deepcopy(cfg)
         split.parallel.cp = c
         found = _search(split, world, memory, reserve, hardware)

@@ -120,7 +120,7 @@ def _render(pl: Plan, explain: bool, width: int) -> str:
 
 def built_line(lp: LayoutPlan) -> str:
     """What the first row holds while the model is built and loaded (no rank builds the whole model)."""
-    m, ddp = lp.memory, lp.layout.strategy.value == "ddp" and lp.layout.dp > 1
+    m, ddp = lp.memory, lp.layout.strategy.value == "ddp" and lp.layout.grad_ranks > 1
     return (f"built: {display_name(lp)} allocates {fmt_bytes(m.construction)} on its fullest rank's device while the "
             f"model is built and loaded (its share of the fp32 parameters{' + DDP buckets' if ddp else ''}), and "
             f"{fmt_bytes(m.construction_host)} of host memory for the largest whole initial value (on a CPU: both)")

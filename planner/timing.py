@@ -76,8 +76,9 @@ def causal_pairs(first: int, count: int) -> int:
 
 
 def attention_flops(g: GPTConfig, lay: PlannedLayout, cp_rank: int, zigzag: bool = True) -> int:
-    """Causal attention FLOPs of one cp rank's forward per optimizer step: 4 h per (query, visible
-    key) pair (q.k and p.v, 2 h each), x b x m x layers (cp takes no pp yet: every layer). Under
+    """Causal attention FLOPs of one cp rank's forward per optimizer step: 4 h/tp per (query,
+    visible key) pair (q.k and p.v, 2 h each, over this rank's heads), x b x m x the layers of
+    pipeline rank 0's stages (all of them without pp). Under
     the zigzag split rank r holds chunks r and 2n-1-r of c = s/2n positions (parallel/cp.py
     local_positions): (2n-1) c^2 + c(c+1) pairs whatever r, so the ranks' work is equal; a plain
     split into n pieces (zigzag=False) gives the last rank about 2n-1 times the first's. The
@@ -88,7 +89,8 @@ def attention_flops(g: GPTConfig, lay: PlannedLayout, cp_rank: int, zigzag: bool
         pairs = causal_pairs(cp_rank * c, c) + causal_pairs((2 * n - 1 - cp_rank) * c, c)
     else:
         pairs = causal_pairs(cp_rank * g.block_size // n, g.block_size // n)
-    return 4 * g.n_embd * pairs * lay.micro_batch_size * lay.microbatches * g.n_layer
+    layers = sum(lay.shape.stage_blocks[s] for s in lay.stages_of(0))
+    return 4 * (g.n_embd // lay.tp) * pairs * lay.micro_batch_size * lay.microbatches * layers
 
 
 def model_flops_per_token(g: GPTConfig) -> float:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import main as app
 from checks import load_config
 from config import UsageError
 from model import GPT, GPTConfig, lm_loss
@@ -192,11 +193,23 @@ def cfg_of(*overrides: str, world: int | None = None):
     (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.dp_replicate=2"], "parallel.dp_replicate=1"),
     (["parallel.cp=2", "parallel.strategy=zero"], "not 'zero'"),
     (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.cpu_offload=true"], "no test holds the two together"),
+    (["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "model.block_size=12"],
+     "each cp rank's 6 tokens (block / cp) is not divisible by parallel.tp=4"),
 ])
 def test_bad_cp_configs_are_one_line(overrides, needle):
     with pytest.raises(UsageError) as e:
         cfg_of(*overrides)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [["parallel.cp=3"], ["parallel.cp=2", "model.dropout=0.1"],
+                                       ["parallel.cp=2", "parallel.strategy=dp"]])
+def test_a_bad_cp_launch_is_one_line_exit_2_and_writes_nothing(overrides, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert app.main([*TINY, *overrides, f"trainer.run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not run.exists()
 
 
 def test_cp_layout_is_a_mesh_dimension_between_dp_and_tp():

@@ -30,8 +30,10 @@ def test_dp2_tp2_pp2_matches_one_process_and_the_app_runs(eight_processes, tmp_p
     assert abs(mesh["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"], (mesh["val_loss"], ref["val_loss"])
     assert_parity(ref, load_case(out, "hsdp_tp"), "dp_replicate2 x dp_shard2 x tp2")
     # context parallelism inside 3-D meshes: cp 2 x tp 2 x pp 2 (ring), dp 2 x cp 2 x tp 2 (allgather)
-    assert_parity(ref, load_case(out, "cp_tp_pp"), "cp2 x tp2 x pp2")
-    assert_parity(ref, load_case(out, "dp_cp_tp"), "dp2 x cp2 x tp2 allgather")
+    for name in ("cp_tp_pp", "dp_cp_tp"):
+        got = load_case(out, name)
+        assert_parity(ref, got, name)
+        assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-4 * ref["val_loss"], (name, got["val_loss"], ref["val_loss"])
     # the app: main.py on the mesh against main.py in one process, the same config otherwise
     assert json.loads((out / "app_exit_codes.json").read_text())[0] == 0
     one = tmp_path / "one"

@@ -14,8 +14,8 @@ assert_tracks_in_loss; so do bf16/fp16 under cp). Two launches cover every case:
                tp=2, pp=2 and fsdp x pp=2 (dp=1: plain parameters, fused AdamW); Muon at pp=2
                (whole matrices) and tp=2 (gathered); cp=2 with no engine (the runner averages over
                cp), ddp and fsdp (over the flattened dp x cp group), ddp with cp_mode=allgather;
-               cp=2 with activation checkpointing (ring and allgather), compiled, in bf16 (ring
-               and allgather) and fp16 (ddp);
+               cp=2 with activation checkpointing (ring and allgather; fsdp), compiled, in bf16
+               (ring and allgather; fsdp allgather) and fp16 (ddp, fsdp);
   4 processes: dp=2 x tp=2 (fsdp), dp=2 x pp=2 (ddp: 1f1b and interleaved; fsdp with activation
                checkpointing), pp=4 (middle stages hold no tied copy) with 1f1b and zero-bubble,
                and on an 8-block model interleaved and ZB-V (8 stages), tp=4 (one head per rank;
@@ -25,8 +25,8 @@ assert_tracks_in_loss; so do bf16/fp16 under cp). Two launches cover every case:
                process (a pp x tp snapshot resharded to pp = tp = 1); cp=4 (no engine; ring and
                allgather), dp=2 x cp=2 with ddp and with fsdp (ring and allgather); cp=2 x tp=2
                with no engine, fsdp, and fsdp with allgather + vocab-parallel + SP; cp=4 in bf16;
-               cp=2 x pp=2 with no engine (1F1B and ZB-V), ddp (1F1B) and fsdp (interleaved,
-               allgather).
+               cp=2 x pp=2 with no engine (1F1B, ZB-V, GPipe with recomputation), ddp (1F1B) and
+               fsdp (interleaved, allgather); cp=2 x tp=2 with no engine, vocab-parallel + SP.
 Layout errors are checked in-process (no process group): one line, UsageError.
 """
 from __future__ import annotations
@@ -83,6 +83,10 @@ TWO = {
     "cp2_bf16": "parallel.strategy=none parallel.cp=2 trainer.precision=bf16",
     "cp2_allgather_bf16": "parallel.strategy=none parallel.cp=2 parallel.cp_mode=allgather trainer.precision=bf16",
     "cp2_fp16": "parallel.strategy=ddp parallel.cp=2 trainer.precision=fp16",
+    # under FSDP2 over dp x cp: fp16 (the scaler's inf/nan verdict agreed over dp x cp), bf16, recomputation
+    "fsdp_cp2_fp16": "parallel.strategy=fsdp parallel.cp=2 trainer.precision=fp16",
+    "fsdp_cp2_bf16": "parallel.strategy=fsdp parallel.cp=2 parallel.cp_mode=allgather trainer.precision=bf16",
+    "fsdp_cp2_ac": "parallel.strategy=fsdp parallel.cp=2 parallel.activation_checkpointing=true",
 }
 # the untied head with the speedruns' model options: a pipeline with an uneven split and recomputation,
 # and tp with vocabulary and sequence parallelism (q and k normalised per head on the rank holding it)
@@ -129,6 +133,9 @@ FOUR = {
                                            "parallel.pp_schedule=interleaved_1f1b parallel.pp_stages_per_rank=2"),
     "cp2_pp2_zbv": "parallel.strategy=none parallel.cp=2 parallel.pp=2 parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2",
     "ddp_cp2_pp2": "parallel.strategy=ddp parallel.cp=2 parallel.pp=2",
+    "cp2_pp2_gpipe_ac": "parallel.strategy=none parallel.cp=2 parallel.pp=2 parallel.pp_schedule=gpipe parallel.activation_checkpointing=true",
+    # no engine under tp: the runner reduces the vocabulary-parallel embedding's whole gradient over cp
+    "cp2_tp2_vocab_sp": "parallel.strategy=none parallel.cp=2 parallel.tp=2 parallel.tp_vocab_parallel=true parallel.sequence_parallel=true",
 }
 APP = TINY + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.save_every=10"]
 APP_MESH = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
@@ -159,7 +166,8 @@ def reference_of(name: str) -> str:
 
 def assert_case(ref: dict, got: dict, name: str) -> None:
     fp16 = name.endswith("_fp16")
-    if (fp16 and name.startswith("tp2")) or (name.startswith("cp") and name.endswith(("_fp16", "_bf16"))):
+    under_cp = any(part.startswith("cp") for part in name.split("_"))
+    if (fp16 and name.startswith("tp2")) or (under_cp and name.endswith(("_fp16", "_bf16"))):
         assert_tracks_in_loss(ref, got, name)
     else:
         assert_parity(ref, got, name, grad_scale=FP16_SCALE if fp16 else 1.0, low_precision=fp16)
