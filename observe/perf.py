@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from parallel.env import DTYPES
+from parallel.precision import cpu_flags
 from storage.files import atomic_write_text
 
 # Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets: (bf16/fp16 tensor cores, fp32
@@ -123,9 +124,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The instruction sets a CPU's matmul speed depends on. A virtual machine often names only the
+# vendor's family ("AMD EPYC"), which covers CPUs with and without AVX-512: the key names them too,
+# so a cache filled on one never answers for another.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
 def machine_fingerprint(precision: str) -> str:
-    """The cache key of a CPU peak: what the peak depends on."""
-    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {precision}"
+    """The cache key of a CPU peak (and of the local hardware figures): what they depend on."""
+    isa = "+".join(f for f in ISA_FLAGS if f in cpu_flags()) or "no avx2"
+    return f"{cpu_model()} | {isa} | {torch.get_num_threads()} threads | torch {torch.__version__} | {precision}"
 
 
 def _read_peak_cache(path: Path) -> dict[str, float]:

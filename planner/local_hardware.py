@@ -1,6 +1,6 @@
 """`--hardware local` as the planner reads it: this machine's figures from the cache that
 tools/calibrate.py fills (measured once per machine, keyed like observe/perf.py's CPU peak cache by
-CPU model, threads and torch version), or the UNCALIBRATED defaults where none is cached and the
+CPU model, its instruction sets, threads and torch version), or the UNCALIBRATED defaults where none is cached and the
 caller passes no `measure` (a launch under torchrun, whose cores are busy, never measures).
 Every local link is one class: there is no second node to measure, so inter_node = intra_node.
 """

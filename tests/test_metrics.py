@@ -238,3 +238,14 @@ def test_the_cpu_peak_sweep_skips_sizes_that_would_only_be_slow(seconds_per_matm
     monkeypatch.setattr(perf, "measure_cpu_matmul_peak", fake)
     assert perf.measure_cpu_peak("bf16", rounds=2) == 2 * tried[-1] ** 3 / seconds_per_matmul
     assert tried == sizes
+
+
+def test_the_peak_cache_key_names_the_cpus_instruction_sets(monkeypatch):
+    """Two CPUs a virtual machine names alike ("AMD EPYC"), one with AVX-512 and one without, do
+    not share a cached peak or the planner's local hardware figures (both keyed by it)."""
+    monkeypatch.setattr(perf, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setattr(perf, "cpu_flags", lambda: {"avx2", "fma"})
+    older = perf.machine_fingerprint("fp32")
+    monkeypatch.setattr(perf, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    newer = perf.machine_fingerprint("fp32")
+    assert older != newer and "avx512_bf16" in newer and "avx512" not in older, (older, newer)
