@@ -30,7 +30,7 @@ def wrap_ddp(module: nn.Module, cfg: Config, layout: Layout, mesh: DeviceMesh | 
     """`module` under DDP on mesh["dp"], or on dp x cp flattened under context parallelism (the
     cp ranks average their gradients too: parallel/cp.py); itself with one rank there. Also
     ZeRO-1's engine."""
-    if layout.dp * layout.cp == 1:
+    if layout.grad_ranks == 1:
         return module
     p = cfg.parallel
     return DistributedDataParallel(
@@ -48,7 +48,7 @@ class DDPStrategy(Strategy):
 
     def describe_dp(self) -> str:
         p = self.cfg.parallel
-        if self.dp_size * self.layout.cp == 1:
+        if self.layout.grad_ranks == 1:
             return "ddp (one data-parallel rank: no gradient all-reduce)"
         return (f"ddp (bucket {p.bucket_cap_mb:g} MB, grads as bucket views "
                 f"{'on' if p.gradient_as_bucket_view else 'off'}"

@@ -78,7 +78,7 @@ class FSDPStrategy(Strategy):
         needs a process group (torchrun --nproc_per_node=1). Layouts with tp or pp and one dp rank stay
         unwrapped: their stage shapes, grad scaler and plan assume no FSDP at dp 1. Under context
         parallelism FSDP2 shards over dp x cp (the cp ranks hold the same parameters), as torchtitan does."""
-        return self.dp_size * self.layout.cp > 1 or (self.cfg.parallel.cpu_offload and self.mesh is not None
+        return self.layout.grad_ranks > 1 or (self.cfg.parallel.cpu_offload and self.mesh is not None
                                     and self.env.world_size == 1)
 
     @property
@@ -97,7 +97,7 @@ class FSDPStrategy(Strategy):
 
     def describe_dp(self) -> str:
         if self.layout.cp_enabled:
-            return f"{self.name} (FSDP2 per block + root, sharded over dp x cp = {self.dp_size * self.layout.cp} ranks)"
+            return f"{self.name} (FSDP2 per block + root, sharded over dp x cp = {self.layout.grad_ranks} ranks)"
         if self.dp_size == 1 and self.shards_parameters:
             return f"{self.name} (one data-parallel rank: FSDP2 for the cpu offload only)"
         if self.dp_size == 1:

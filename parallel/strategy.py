@@ -222,7 +222,7 @@ class Strategy:
         v = value.detach().float().clone() if counted else torch.zeros((), device=self.device)
         dist.all_reduce(v)
         # cp ranks each hold the mean over as many tokens of the same sequences (parallel/cp.py)
-        return v / (self.dp_size * self.layout.cp)
+        return v / self.layout.grad_ranks
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Collective. Every parameter's whole gradient by plain name, on every rank: what parity
