@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from config import (
+    ATTENTION_KERNELS,
     CP_MODES,
     PP_SCHEDULES,
     PRECISIONS,
@@ -105,6 +106,7 @@ def _validate_trainer(t: TrainerConfig) -> None:
         _positive(f"trainer.{k}", getattr(t, k), allow_zero=True)
     _choice("trainer.resume", t.resume, ("auto", "never", "require"))
     _choice("trainer.precision", t.precision, TRAINER_PRECISIONS)
+    _choice("trainer.attention", t.attention, ATTENTION_KERNELS)
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     profile_window(t.profile)
     if not t.run_dir:

@@ -35,6 +35,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # trainer.precision also takes auto: the fastest the device has, chosen at launch (parallel/precision.py)
 TRAINER_PRECISIONS = (*PRECISIONS, "auto")
+ATTENTION_KERNELS = ("sdpa", "matmul")  # trainer.attention: model.py causal_attention, matmul_attention
 # the values of parallel.cp_mode: how the cp ranks of one sequence see each other's keys and values
 CP_MODES = ("ring", "allgather")
 
@@ -106,6 +107,7 @@ class TrainerConfig:
     seed: int = 1337
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto
     compile: bool = False
+    attention: str = "sdpa"  # sdpa | matmul (ATTENTION_KERNELS)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     device: str = "auto"  # auto | cpu | cuda
     sample_tokens: int = 200  # length of the text sample written at the end (0 = none)

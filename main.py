@@ -108,17 +108,21 @@ def parse_args(argv):
     return args
 
 
-def refuse_auto_precision(cfg, flag: str) -> None:
-    """The planner and the dry run price one precision; auto is only chosen at launch, on the device."""
+def refuse_unpriced(cfg, flag: str) -> None:
+    """The planner and the dry run price one precision (auto is only chosen at launch, on the
+    device) and the fused attention kernel (matmul attention's T x T probabilities are not modelled)."""
     if cfg.trainer.precision == "auto":
         raise UsageError(f"{flag} prices one precision and trainer.precision=auto is chosen at launch from the "
                          f"device; set trainer.precision=bf16 or fp32 (what the launch's start-up line names)")
+    if cfg.trainer.attention != "sdpa":
+        raise UsageError(f"{flag} prices torch's fused attention and trainer.attention={cfg.trainer.attention} holds "
+                         f"every head's T x T probabilities, which it does not model; set trainer.attention=sdpa")
 
 
 def print_plan(args) -> int:
     """--plan: predictions for every layout on --world-size ranks (planner/__init__.py); no process group."""
     cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
-    refuse_auto_precision(cfg, "--plan")
+    refuse_unpriced(cfg, "--plan")
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
@@ -146,7 +150,7 @@ def print_plan(args) -> int:
 def run_dry(args) -> int:
     """--dry-run: the real code of every rank role of --world-size ranks, beside the plan (tools/dry_run.py)."""
     cfg = load_config(args.config, args.overrides, adopt=adopt_unset_keys)
-    refuse_auto_precision(cfg, "--dry-run")
+    refuse_unpriced(cfg, "--dry-run")
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")

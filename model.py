@@ -52,6 +52,36 @@ class ModelCost:
     flops_per_token: float  # training FLOPs per token (GPT.flops_per_token)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of (B, heads, T, head_dim) inputs in torch's fused kernel (`sdpa`: flash on a
+    CPU; flash, memory-efficient or cuDNN on a GPU), which never holds the (T, T) scores.
+    On a CPU in bf16 the kernel runs in fp32 and its output is rounded once: torch 2.13's CPU flash
+    backward in bf16 took 2.6x its fp32 time (3.73 vs 1.42 ms forward + backward at 12 x 4 heads x
+    64 tokens x 32, 2 threads, an EPYC with avx512_bf16; measured 2026-11-27), and so bf16 autocast
+    gained nothing on nanoGPT's CPU model. parallel/cp.py's CPU blocks do the same."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        with torch.autocast("cpu", enabled=False):
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """The same attention in plain ops (`trainer.attention=matmul`): softmax(q k^T / sqrt(d), causal)
+    v, holding every head's (T, T) probabilities for backward: B x heads x T^2 elements a block,
+    where the fused kernel holds B x heads x T. Faster on a CPU for short sequences, where the fused
+    kernel's blocking costs more than the scores (nanoGPT's CPU model, T = 64: 1.1 vs 1.4 ms a layer
+    forward + backward in fp32, and compiled into the block's graph; benchmarks/vs_nanogpt.py).
+    q is scaled before the product so fp16 scores stay in range; the softmax runs in fp32."""
+    t = q.size(-2)
+    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -69,6 +99,9 @@ class CausalSelfAttention(nn.Module):
         # the other pieces of each sequence: (q, k, v) -> y, causal by global position. An
         # attribute, not a submodule: parameter names stay the same with it on or off.
         self.context_parallel = None
+        # trainer.attention (parallel/parallelize.py sets it): which kernel computes attention; both
+        # compute the same function, so snapshots move freely between them.
+        self.kernel = "sdpa"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -80,8 +113,8 @@ class CausalSelfAttention(nn.Module):
         if self.context_parallel is not None:  # this rank holds only some of each sequence's tokens
             y = self.context_parallel(q, k, v)
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+            attend = matmul_attention if self.kernel == "matmul" else causal_attention
+            y = attend(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.out_proj(y))
 

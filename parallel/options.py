@@ -86,6 +86,9 @@ def problems(cfg: Config, world_size: int | None = None) -> Iterator[str]:
     yield from _option_problems(p)
     yield from _auto_problems(p)
     yield from _optimizer_problems(cfg.optimizer.name, p)
+    if p.strategy == "auto" and cfg.trainer.attention != "sdpa":
+        yield (f"trainer.attention={cfg.trainer.attention}: parallel.strategy=auto plans the fused attention's "
+               f"memory, not every head's T x T probabilities; set trainer.attention=sdpa or name a strategy")
     yield from _model_split_problems(m, cfg.trainer, p)
     yield from _context_parallel_problems(cfg)
 
@@ -157,6 +160,9 @@ def _context_parallel_problems(cfg: Config) -> Iterator[str]:
     if m.dropout > 0:
         yield (f"model.dropout={m.dropout}: parallel.cp needs model.dropout=0 (the CPU flash kernel refuses "
                f"attention dropout, and per-rank masks could never match one process's); set model.dropout=0")
+    if cfg.trainer.attention != "sdpa":
+        yield (f"trainer.attention={cfg.trainer.attention}: parallel.cp computes attention in its own ring or "
+               f"all-gather kernels (parallel/cp.py); set trainer.attention=sdpa")
     if p.strategy == "dp":
         yield ("parallel.cp splits each sequence over processes and parallel.strategy=dp (nn.DataParallel) "
                "runs one process; use parallel.strategy=ddp or none under torchrun")

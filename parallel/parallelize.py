@@ -63,10 +63,11 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
     if layout.cp_enabled:
         for part in stages.values():
             apply_context_parallel(part, mesh["cp"], p.cp_mode)
-    # 3. activation checkpointing
+    # 3. activation checkpointing (and the attention kernel each block computes with)
     for part in stages.values():
         for block in part.blocks.values():
             block.activation_checkpointing = p.activation_checkpointing
+            block.attn.kernel = cfg.trainer.attention
     # 4. compile: each block in place (the stage the schedule runs stays the DDP/FSDP module)
     if cfg.trainer.compile:
         for part in stages.values():

@@ -154,6 +154,7 @@ BAD_INPUTS = {
     "sample_tokens": (["trainer.sample_tokens=-1"], "trainer.sample_tokens must be >= 0"),
     "grad_clip": (["trainer.grad_clip=-1"], "trainer.grad_clip must be >= 0"),
     "peak_flops": (["trainer.peak_flops=-1"], "trainer.peak_flops must be >= 0"),
+    "attention": (["trainer.attention=flash"], "trainer.attention='flash' is not one of sdpa, matmul"),
     "hang_timeout_s": (["trainer.hang_timeout_s=-5"], "trainer.hang_timeout_s must be >= 0"),
     "async_save": (["trainer.async_save=maybe"], "trainer.async_save' must be true or false"),
     "profile": (["trainer.profile=10"], "trainer.profile='10' is not START:STEPS"),

@@ -187,6 +187,7 @@ def cfg_of(*overrides: str, world: int | None = None):
     (["parallel.cp_mode=ring2"], "parallel.cp_mode='ring2'"),
     (["parallel.cp=3"], "model.block_size=16 is not divisible by 2 x parallel.cp = 6"),
     (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp needs model.dropout=0"),
+    (["parallel.cp=2", "trainer.attention=matmul"], "parallel.cp computes attention in its own ring"),
     (["parallel.cp=2", "parallel.strategy=dp"], "nn.DataParallel"),
     (["parallel.cp=2", "parallel.strategy=auto"], "parallel.strategy=none or ddp or fsdp so far, not 'auto'"),
     (["parallel.cp=2", "parallel.strategy=fsdp", "parallel.mixed_precision=bf16"], "parallel.mixed_precision=none"),

@@ -133,3 +133,41 @@ def test_speedrun_options_compute_what_they_say():
     scores = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(torch.ones(8, 8).triu(1).bool(), float("-inf"))
     want = attn.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 8, 16))
     assert torch.allclose(attn(x), want, atol=1e-5)
+
+
+def test_matmul_attention_computes_the_fused_kernels_function():
+    """trainer.attention=matmul (plain ops, T x T probabilities held) and sdpa give one function: the
+    same logits and gradients within fp32 rounding, with qk_norm too, so snapshots move between them."""
+    torch.manual_seed(0)
+    fused = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32, qk_norm=True))
+    plain = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32, qk_norm=True))
+    plain.load_state_dict(fused.state_dict())
+    for block in plain.blocks.values():
+        block.attn.kernel = "matmul"
+    x, y = torch.randint(0, 65, (3, 16)), torch.randint(0, 65, (3, 16))
+    losses = []
+    for model in (fused, plain):
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) < 1e-6
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name
+    # a bug that dropped the mask or the scale would move the loss far more than rounding
+    assert abs(losses[0] - losses[1]) < 1e-3 * abs(losses[0])
+
+
+def test_cpu_bf16_attention_runs_the_kernel_in_fp32():
+    """On a CPU the fused kernel's bf16 backward is slower than its fp32 (model.causal_attention): bf16
+    inputs run in fp32 and the output is rounded once, under autocast too (which would cast back)."""
+    from model import causal_attention
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32).bfloat16().requires_grad_() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = causal_attention(q, k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    bf16_kernel = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert not torch.equal(bf16_kernel, got)  # the bf16 kernel rounds inside: a different result
+    got.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0

@@ -10,6 +10,7 @@ import torch
 
 import main as app
 from checks import load_config
+from config import UsageError
 from launch.build import build_trainer
 from parallel import precision
 from parallel.env import init_distributed
@@ -85,3 +86,15 @@ def test_plan_and_dry_run_refuse_auto_in_one_line_exit_2(flag, capsys):
     assert app.main([flag, "trainer.precision=auto", "parallel.strategy=none"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "trainer.precision=auto is chosen at launch" in lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--plan", "--dry-run"])
+def test_plan_and_dry_run_refuse_matmul_attention_in_one_line_exit_2(flag, capsys):
+    """They price the fused attention; matmul attention's T x T probabilities are not modelled. So
+    does parallel.strategy=auto, which plans with the same figures."""
+    capsys.readouterr()
+    assert app.main([flag, "trainer.attention=matmul", "parallel.strategy=none"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "trainer.attention=matmul holds" in lines[0]
+    with pytest.raises(UsageError, match="parallel.strategy=auto plans the fused attention"):
+        load_config(None, ["trainer.attention=matmul", "parallel.strategy=auto"])
