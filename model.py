@@ -54,15 +54,10 @@ class ModelCost:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of (B, heads, T, head_dim) inputs in torch's fused kernel (`sdpa`: flash on a
-    CPU; flash, memory-efficient or cuDNN on a GPU), which never holds the (T, T) scores.
-    On a CPU in bf16 the kernel runs in fp32 and its output is rounded once: torch 2.13's CPU flash
-    backward in bf16 took 2.6x its fp32 time (3.73 vs 1.42 ms forward + backward at 12 x 4 heads x
-    64 tokens x 32, 2 threads, an EPYC with avx512_bf16; measured 2026-11-27), and so bf16 autocast
-    gained nothing on nanoGPT's CPU model. parallel/cp.py's CPU blocks do the same."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        with torch.autocast("cpu", enabled=False):
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p)
-        return y.to(q.dtype)
+    CPU; flash, memory-efficient or cuDNN on a GPU), which never holds the (T, T) scores. On a CPU
+    in bf16 prefer matmul_attention for short sequences: torch 2.13's CPU flash backward in bf16
+    took 2.6x its fp32 time (3.73 vs 1.42 ms forward + backward at 12 x 4 heads x 64 tokens x 32,
+    2 threads, an EPYC with avx512_bf16; measured 2026-11-27)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
 
@@ -70,8 +65,8 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     """The same attention in plain ops (`trainer.attention=matmul`): softmax(q k^T / sqrt(d), causal)
     v, holding every head's (T, T) probabilities for backward: B x heads x T^2 elements a block,
     where the fused kernel holds B x heads x T. Faster on a CPU for short sequences, where the fused
-    kernel's blocking costs more than the scores (nanoGPT's CPU model, T = 64: 1.1 vs 1.4 ms a layer
-    forward + backward in fp32, and compiled into the block's graph; benchmarks/vs_nanogpt.py).
+    kernel's blocking costs more than the scores (nanoGPT's CPU model, T = 64, forward + backward of
+    a layer's attention: 1.10 vs 1.42 ms in fp32, 1.22 vs 3.73 ms in bf16; benchmarks/vs_nanogpt.py).
     q is scaled before the product so fp16 scores stay in range; the softmax runs in fp32."""
     t = q.size(-2)
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)

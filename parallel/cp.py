@@ -121,21 +121,14 @@ class Ring:
 # ----------------------------------------------------------------------------- one block
 
 
-def _fp32_if_bf16(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The CPU kernel's inputs: bf16 runs in fp32, as one process's attention does on a CPU (its bf16
-    backward is 2.6x slower: model.py causal_attention). The blocks are merged and summed in fp32 anyway."""
-    return tuple(t.float() if t.dtype == torch.bfloat16 else t for t in tensors)
-
-
 def flash_cpu_block(q, k, v, causal: bool):
     """(out, lse) of q over the keys k: torch's fused CPU flash kernel."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_fp32_if_bf16(q, k, v), 0.0, causal)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
 
 
 def flash_cpu_block_backward(dout, q, k, v, out, lse, causal: bool):
     """(dq, dk, dv) of this block, given the whole row's out and lse."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *_fp32_if_bf16(dout, q, k, v, out), lse, 0.0, causal)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
 
 
 def _scores(q, k, causal: bool) -> torch.Tensor:
