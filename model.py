@@ -66,7 +66,7 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     v, holding every head's (T, T) probabilities for backward: B x heads x T^2 elements a block,
     where the fused kernel holds B x heads x T. Faster on a CPU for short sequences, where the fused
     kernel's blocking costs more than the scores (nanoGPT's CPU model, T = 64, forward + backward of
-    a layer's attention: 1.10 vs 1.42 ms in fp32, 1.22 vs 3.73 ms in bf16; benchmarks/vs_nanogpt.py).
+    a layer's attention: 1.11 vs 1.34 ms in fp32, 1.08 vs 3.73 ms in bf16; benchmarks/fast_preset_variants.py).
     q is scaled before the product so fp16 scores stay in range; the softmax runs in fp32."""
     t = q.size(-2)
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
