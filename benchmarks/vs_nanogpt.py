@@ -34,11 +34,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
@@ -71,38 +73,84 @@ def env(threads: int) -> dict:
     return e
 
 
-def run_nanogpt(scratch: Path, steps: int, seed: int, threads: int) -> dict:
-    out = scratch / f"out-{seed}"
-    start = time.perf_counter()
-    r = subprocess.run([sys.executable, "train.py", *nanogpt_args(steps, seed, out)], cwd=scratch,
-                       env=env(threads), capture_output=True, text=True)
-    wall = time.perf_counter() - start
+@dataclass
+class Finished:
+    """One training process, run to its end: its output, exit code and wall time."""
+    stdout: str
+    stderr: str
+    returncode: int
+    wall_s: float
+
+
+def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: float) -> list[Finished]:
+    """Run each (argv, cwd) to its end. turns = 0: one after the other. turns > 0: all started, and
+    they take turns on the machine, `turns` seconds each (SIGSTOP / SIGCONT: one runs at a time, as
+    before), so a burst of outside load slows every side alike; each wall time then includes the
+    others' turns."""
+    if turns <= 0:
+        done = []
+        for argv, cwd in commands:
+            start = time.perf_counter()
+            r = subprocess.run(argv, cwd=cwd, env=env(threads), capture_output=True, text=True)
+            done.append(Finished(r.stdout, r.stderr, r.returncode, time.perf_counter() - start))
+        return done
+    with tempfile.TemporaryDirectory() as d:
+        logs = [(open(Path(d) / f"{i}.out", "w+"), open(Path(d) / f"{i}.err", "w+")) for i in range(len(commands))]
+        start, ends = time.perf_counter(), {}
+        procs = []
+        for (argv, cwd), (out, err) in zip(commands, logs):
+            # its own process group: a turn stops and resumes its children too (inductor's compile workers)
+            procs.append(subprocess.Popen(argv, cwd=cwd, env=env(threads), stdout=out, stderr=err, text=True,
+                                          start_new_session=True))
+            os.killpg(procs[-1].pid, signal.SIGSTOP)
+        while len(ends) < len(procs):
+            for i, proc in enumerate(procs):
+                if i in ends:
+                    continue
+                os.killpg(proc.pid, signal.SIGCONT)
+                try:
+                    proc.wait(timeout=turns)
+                    ends[i] = time.perf_counter()
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGSTOP)
+        done = []
+        for proc, (out, err) in zip(procs, logs):
+            out.seek(0), err.seek(0)
+            done.append(Finished(out.read(), err.read(), proc.returncode, ends[procs.index(proc)] - start))
+        return done
+
+
+def nanogpt_command(scratch: Path, steps: int, seed: int) -> tuple[list[str], Path]:
+    return [sys.executable, "train.py", *nanogpt_args(steps, seed, scratch / f"out-{seed}")], scratch
+
+
+def nanogpt_result(r: Finished, scratch: Path, seed: int) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"nanoGPT failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     ms = [float(m) for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", r.stdout, re.M)][5:]
     windows = [statistics.mean(ms[i:i + WINDOW]) for i in range(0, len(ms) - WINDOW + 1, WINDOW)]
-    return {"step_ms": statistics.median(ms), "windows_ms": windows, "wall_s": wall, "ckpt": out / "ckpt.pt"}
+    return {"step_ms": statistics.median(ms), "windows_ms": windows, "wall_s": r.wall_s,
+            "ckpt": scratch / f"out-{seed}" / "ckpt.pt"}
 
 
-def run_ours(folder: Path, steps: int, seed: int, threads: int, extra: list[str], preset: str = "",
-             tag: str = "ours") -> dict:
+def ours_command(folder: Path, steps: int, seed: int, extra: list[str], preset: str = "",
+                 tag: str = "ours") -> tuple[list[str], Path]:
     """nanoGPT's config (NANOGPT_CPU, `steps` steps) + extra; with `preset`, the preset's own
     config, steps and schedule instead (time to loss)."""
-    run = folder / f"{tag}-{seed}"
     recipe = (["--config", preset] if preset else
               [*NANOGPT_CPU, f"trainer.max_steps={steps}", f"optimizer.lr_decay_steps={steps}", "trainer.log_every=10"])
     overrides = [*recipe, f"data.path={CORPUS}", f"trainer.seed={seed}", "trainer.hang_timeout_s=0",
-                 f"trainer.run_dir={run}", *extra]
-    start = time.perf_counter()
-    r = subprocess.run([sys.executable, "main.py", *overrides], cwd=REPO, env=env(threads), capture_output=True,
-                       text=True)
-    wall = time.perf_counter() - start
+                 f"trainer.run_dir={folder / f'{tag}-{seed}'}", *extra]
+    return [sys.executable, "main.py", *overrides], REPO
+
+
+def ours_result(r: Finished, run: Path) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"main.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     windows = [row["step_time_ms"] for row in rows[1:] if "step_time_ms" in row]  # log_every=10: 10-step means
     notes = [line for line in r.stdout.splitlines() if line.startswith("precision:")]  # trainer.precision=auto's
-    return {"step_ms": statistics.median(windows), "windows_ms": windows, "wall_s": wall,
+    return {"step_ms": statistics.median(windows), "windows_ms": windows, "wall_s": r.wall_s,
             "tokens_per_s": tokens_per_step(run) / statistics.median(windows) * 1000,
             "tokens_per_step": tokens_per_step(run), "model": run / "model.pt", "note": notes[0] if notes else ""}
 
@@ -220,6 +268,10 @@ def main() -> None:
                     "instead of nanoGPT's config: time to nanoGPT's loss, e.g. presets/cpu_speedrun.yaml")
     ap.add_argument("--also-fp32", action="store_true", help="after each of our runs, the same again with "
                     "trainer.precision=fp32 (a preset's precision=auto side by side with the fp32 it falls back to)")
+    ap.add_argument("--turns", type=float, default=0.0, metavar="SECONDS",
+                    help="run a seed's trainings together, taking turns on the machine SECONDS each (one at a time; "
+                         "outside load then slows all alike; wall times then include the others' turns); "
+                         "default 0: one after the other")
     ap.add_argument("overrides", nargs="*", help="config overrides for main.py (e.g. a preset's speed settings)")
     args = ap.parse_args()
     print(cpu_line(), flush=True)
@@ -232,12 +284,16 @@ def main() -> None:
         folder = Path(d)
         scratch = scratch_nanogpt(folder)
         results = {"nanoGPT": [], **{name: [] for name in sides}}
-        for seed in args.seeds:  # one after the other, never at once
-            nano = run_nanogpt(scratch, args.steps, seed, args.threads)
+        for seed in args.seeds:  # never two at once: one after the other, or taking turns (--turns)
+            commands = [nanogpt_command(scratch, args.steps, seed)] + [
+                ours_command(folder, args.steps, seed, extra, args.preset, tag=f"ours{i}")
+                for i, extra in enumerate(sides.values())]
+            finished = run_processes(commands, args.threads, args.turns)
+            nano = nanogpt_result(finished[0], scratch, seed)
             nano["val"] = nanogpt_val_loss(scratch, nano["ckpt"], val_text, chars)
             results["nanoGPT"].append(nano)
-            for i, (name, extra) in enumerate(sides.items()):
-                ours = run_ours(folder, args.steps, seed, args.threads, extra, args.preset, tag=f"ours{i}")
+            for i, (name, r) in enumerate(zip(sides, finished[1:])):
+                ours = ours_result(r, folder / f"ours{i}-{seed}")
                 ours["val"] = our_val_loss(ours["model"], val_text)
                 results[name].append(ours)
     print(f"\n=== {args.steps} steps of nanoGPT's CPU config, {args.threads} threads, seeds {args.seeds}"
