@@ -142,6 +142,27 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple
     return seconds, where
 
 
+def norm_all_reduces(lay: PlannedLayout) -> list[tuple[str, int, int]]:
+    """(group, its ranks, calls) of the gradient norm's all-reduces in one step (Strategy.clip_grad_norm_,
+    parallel/zero.py): one 4-byte all-reduce per same-layout group of sharded gradients over their mesh
+    (ZeRO-1/2's slices: 1; FSDP2's Shard(0): 1; tensor parallelism's column- and row-wise shards: 2,
+    3 with sequence parallelism; counted at the dispatcher by benchmarks/strategy_report.py at 2
+    processes), and under pp one sum of the stages' squares over the pp group (sum_over_stages).
+    Their bytes are nothing; each pays the per-call latency, 2(n-1) ring steps. A data-parallel
+    shard on a tp mesh (fsdp x tp) splits into the tp groups' count, over both dimensions (first
+    order: the latency of the larger group)."""
+    out = []
+    tp_groups = (3 if lay.sequence_parallel else 2) if lay.tp > 1 else 0
+    sharded = lay.strategy.value in ("zero-1", "zero-2", "fsdp", "zero-3") and lay.dp_shard > 1
+    if sharded:
+        out.append(("dp_shard", lay.dp_shard, max(1, tp_groups)))
+    elif tp_groups:
+        out.append(("tp", lay.tp, tp_groups))
+    if lay.pp > 1:
+        out.append(("pp", lay.pp, 1))
+    return out
+
+
 def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool, hw: Hardware,
                  dtype: str) -> tuple[float, float]:
     """(forward + backward seconds, recomputation seconds) of one pp rank's step."""
@@ -227,6 +248,11 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, co
             window -= seconds - exposed
         terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if hidden else ''})", seconds,
                               exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B / bandwidth"))
+    for group, n, calls in norm_all_reduces(lay):
+        link = group_link(lay, group, hw)[1]
+        seconds = calls * 2 * (n - 1) * link.latency  # 4 bytes each: latency only
+        terms.append(TimeTerm(f"norm all-reduce {group}", seconds, seconds,
+                              f"{calls} calls x 2(n-1) ring steps x latency (the gradient norm's partial sums)"))
     terms.append(TimeTerm("optimizer", opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
                           opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
                           f"{OPTIMIZER_BYTES} B x {opt_elems:,} stepped elements / memory bandwidth"))

@@ -337,3 +337,22 @@ def test_local_hardware_is_calibrated_with_a_ranks_threads_not_the_shells(monkey
         assert set(seen) == {2} and "2 threads per rank: OMP_NUM_THREADS" in figures["source"]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("overrides, calls", [
+    (("parallel.strategy=ddp",), 0), (("parallel.strategy=zero", "parallel.zero_stage=2"), 1),
+    (("parallel.strategy=fsdp",), 1), (("parallel.strategy=none", "parallel.tp=2"), 2),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_vocab_parallel=true"), 3),
+    (("parallel.strategy=none", "parallel.pp=2", "parallel.microbatches=4"), 1),
+    (("parallel.strategy=none", "parallel.cp=2"), 0)])
+def test_the_gradient_norms_all_reduces_pay_their_latency(tmp_path, overrides, calls):
+    """clip_grad_norm_'s 4-byte all-reduces (one per same-layout group of sharded gradients, one
+    sum over pp stages), as many as benchmarks/strategy_report.py's dispatcher counts at 2
+    processes: each pays 2(n-1) ring steps of latency, and its bytes nothing."""
+    hw = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False,
+                             intra_node=Link(1e9, 1e-3))
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", *overrides])
+    lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+    norm = [t for t in lp.time.terms if t.name.startswith("norm all-reduce")]
+    assert sum(t.exposed for t in norm) == pytest.approx(calls * 2 * 1e-3)
+    assert lp.time.step_s == pytest.approx(sum(t.exposed for t in lp.time.terms))
