@@ -2,11 +2,14 @@
 
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
-    compute   = (T x 3 F / (peak x efficiency) + overhead x blocks x M + step_overhead) x busy   forward + backward (2x forward)
+    compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
+                 + step_overhead) x busy   forward + backward (2x forward)
+    w         = h (h / t with sequence parallelism, h (1 + 1/t) / 2 with plain tp): the activation
+                elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
     busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
-    recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
+    recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M) / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
     bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (planner/schedule.py)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
@@ -127,9 +130,14 @@ def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link,
 
 def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple[float, str]:
     """alpha-beta: each call pays a latency per ring step (all-reduce 2(n-1), reduce-scatter and
-    all-gather n-1, a send 1), the bytes sent pay the bandwidth. On a backend that runs a
+    all-gather n-1, a send 1), the bytes sent pay the bandwidth. The data-parallel engines'
+    all-gathers and reduce-scatters inside a node use the hardware's own figures for them where
+    it gives them (gather_link, scatter_link: gloo's, measured by `local`). On a backend that runs a
     reduce-scatter as an all-reduce (gloo), sequence parallelism's reduce-scatters pay both twice."""
     n, link, where = group_link(lay, c.group, hw)
+    own = {"all-gather": hw.gather_link, "reduce-scatter": hw.scatter_link}.get(c.kind)
+    if own is not None and where == "intra-node":  # gloo's gathers and scatters at their own rates
+        link = own
     if c.kind == "send-recv" or (c.kind == "cp" and lay.cp_mode == "ring"):  # one shift of the ring per call
         steps = 1
     elif c.kind == "all-reduce" or (c.kind == "tp" and not lay.sequence_parallel):
@@ -170,10 +178,20 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
-    compute = tokens * 3 * fwd / rate + overhead + hw.step_overhead
-    recompute = tokens * fwd_blocks / rate + overhead / 3 if lay.activation_checkpointing else 0.0
+    elementwise = tokens * held.blocks * activation_width(g, lay) * hw.elementwise
+    compute = tokens * 3 * fwd / rate + elementwise + overhead + hw.step_overhead
+    recompute = tokens * fwd_blocks / rate + (elementwise + overhead) / 3 if lay.activation_checkpointing else 0.0
     busy = hw.busy_node_slowdown if lay.world > 1 else 1.0  # every device of the node computes
     return compute * busy, recompute * busy
+
+
+def activation_width(g: GPTConfig, lay: PlannedLayout) -> float:
+    """The activation elements per token one rank's block works through element-wise (the
+    hardware's `elementwise` seconds each): the width h, h / t under sequence parallelism (every
+    activation split over tp); plain tp splits attention's and the MLP's (half of it, first
+    order) and repeats the LayerNorms and residual adds on every rank: h (1 + 1/t) / 2."""
+    h, t = g.n_embd, lay.tp
+    return h / t if lay.sequence_parallel else h * (1 + 1 / t) / 2
 
 
 def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
@@ -198,7 +216,9 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     rest = max(rests, key=lambda terms: sum(t.exposed for t in terms))
     terms = [TimeTerm("compute", compute[slow][0], compute[slow][0],
                       f"{_flops_note(g, lay, held[slow])} at {hw.compute_efficiency:g} x {hw.peak(dtype) / 1e12:.4g} "
-                      f"TFLOP/s ({dtype}) + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
+                      f"TFLOP/s ({dtype})"
+                      f"{f' + {hw.elementwise * 1e9:.3g} ns x tokens x blocks x width' if hw.elementwise else ''}"
+                      f" + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
                       f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
                       f"{f', x {hw.busy_node_slowdown:.3g} on a busy node' if hw.busy_node_slowdown > 1 and world > 1 else ''}")]
     if lay.activation_checkpointing:
