@@ -10,9 +10,10 @@ median of REPEATS runs of STEPS steps, barrier to barrier); its raw measurement 
 OUT/measured-<shape>.json, so that a change to the time model is compared again with `--replan` on the
 same measurements instead of timing again. The grid spans width 64-512, depth 2-8, block 32-256; the
 global batch shrinks on the largest shapes so that each shape's launch stays within a few minutes on 2
-cores. Shapes marked `fit` are those any fitted constant of the local hardware was fitted on (tools/
-calibrate.py fits nothing on this grid: the marks say which rows a hand fit may use, the rest are held
-out). Prints (and writes OUT/grid.md) one table with the CPU's model and instruction sets beside it.
+cores. Shapes marked `fit` are those whose ddp, pp and cp-ring rows
+chose the form of the compute's element-wise term (a regression of their residuals, docs/planner.md);
+its constant, like every local figure, is calibrated by tools/calibrate.py, not fitted on this grid,
+and the other shapes are held out. Prints (and writes OUT/grid.md) one table with the CPU's model and instruction sets beside it.
 """
 from __future__ import annotations
 
@@ -75,6 +76,16 @@ def cpu_line() -> str:
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no avx2"
     return (f"CPU: {cpu_model()}, {len(__import__('os').sched_getaffinity(0))} cores, {isa}; "
             f"{NPROC} processes x 1 thread, torch {torch.__version__}")
+
+
+def figures(hw) -> str:
+    """The local figures the prediction used (they vary between calibrations: say which)."""
+    links = [f"{name} {1e3 * link.latency:.2f} ms + {link.bandwidth / 1e9:.2f} GB/s"
+             for name, link in (("ring step", hw.intra_node), ("all-gather", hw.gather_link),
+                                ("reduce-scatter", hw.scatter_link)) if link is not None]
+    return (f"figures: {hw.peak('fp32') / 1e9:.1f} GFLOP/s x efficiency {hw.compute_efficiency:.3f}, element-wise "
+            f"{hw.elementwise * 1e9:.1f} ns, block {1e3 * hw.block_overhead:.2f} ms, step {1e3 * hw.step_overhead:.2f} ms, "
+            f"busy x {hw.busy_node_slowdown:.3f}; " + "; ".join(links))
 
 
 def rows_of(shape: Shape, measured: dict, hw) -> list[dict]:
@@ -154,7 +165,7 @@ def main() -> None:
         ap.exit(2, f"error: no measured-<shape>.json in {out}; run without --replan first\n")
     rows = [r for s in shapes for r in rows_of(s, json.loads((out / f"measured-{s.name}.json").read_text()), hw)]
     timing = {json.dumps(json.loads(p.read_text())) for p in out.glob("timing-*.json")}
-    lines = [cpu_line(), f"hardware: {hw.source}", "",
+    lines = [cpu_line(), f"hardware: {hw.source}", figures(hw), "",
              f"Cells: measured ms / predicted ms = measured / predicted (* outside {BAR:.0%}); the median "
              f"of REPEATS runs of STEPS steps: {', '.join(sorted(timing))}.", ""]
     lines += table(rows, shapes) + [""] + summary(rows)
