@@ -145,6 +145,11 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple
     else:
         steps = n - 1
     seconds = c.calls * steps * link.latency + c.moved_bytes / link.bandwidth
+    if c.gather_calls and hw.gather_link and hw.scatter_link and where == "intra-node":
+        # cp's allgather mode: its all-gathers and reduce-scatters each at the backend's own rates
+        gather, scatter = hw.gather_link, hw.scatter_link
+        seconds = (steps * (c.gather_calls * gather.latency + (c.calls - c.gather_calls) * scatter.latency)
+                   + c.gather_bytes / gather.bandwidth + (c.moved_bytes - c.gather_bytes) / scatter.bandwidth)
     if hw.reduce_scatter_as_all_reduce:
         seconds += c.reduce_scatter_calls * (n - 1) * link.latency + c.reduce_scatter_bytes / link.bandwidth
     return seconds, where

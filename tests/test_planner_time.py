@@ -425,6 +425,13 @@ def test_gloos_gathers_and_scatters_run_at_their_own_rates(tmp_path):
     assert fsdp["reduce-scatter dp"] == pytest.approx(scatter.calls * 3e-3 + scatter.moved_bytes / 4e8)
     assert plain["all-gather dp"] == pytest.approx(gather.calls * 1e-3 + gather.moved_bytes / 1e9)
     assert terms(own, "parallel.strategy=ddp")[0] == terms(base, "parallel.strategy=ddp")[0]
+    # context parallelism's allgather mode: per layer one all-gather of K/V and one reduce-scatter of dK/dV
+    cp, moves = terms(own, "parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=allgather")
+    c = moves["cp"]
+    assert (c.gather_calls, c.calls) == (4, 8) and 0 < c.gather_bytes < c.moved_bytes  # TINY: 4 layers, 1 micro-batch
+    assert cp["cp cp"] == pytest.approx(4 * 5e-3 + 4 * 3e-3 + c.gather_bytes / 2e8 + (c.moved_bytes - c.gather_bytes) / 4e8)
+    ring = terms(own, "parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=ring")[0]
+    assert ring == terms(base, "parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=ring")[0]  # sends
     hw = tmp_path / "gloo.yaml"
     hw.write_text("name: x\ndevices_per_node: 2\nmemory: 8GB\npeak_flops: {fp32: 1.0e+11}\nmemory_bandwidth: 1.0e+10\n"
                   "compute_efficiency: 0.5\nintra_node: {bandwidth: 1.0e+9, latency: 1.0e-3}\n"
