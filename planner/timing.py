@@ -162,8 +162,8 @@ def norm_all_reduces(lay: PlannedLayout) -> list[tuple[str, int, int]]:
     3 with sequence parallelism; counted at the dispatcher by benchmarks/strategy_report.py at 2
     processes), and under pp one sum of the stages' squares over the pp group (sum_over_stages).
     Their bytes are nothing; each pays the per-call latency, 2(n-1) ring steps. A data-parallel
-    shard on a tp mesh (fsdp x tp) splits into the tp groups' count, over both dimensions (first
-    order: the latency of the larger group)."""
+    shard on a tp mesh (fsdp x tp) is taken as the tp groups' count, priced on the dp shard group:
+    first order, not measured (the counts above are the 2-process layouts')."""
     out = []
     tp_groups = (3 if lay.sequence_parallel else 2) if lay.tp > 1 else 0
     sharded = lay.strategy.value in ("zero-1", "zero-2", "fsdp", "zero-3") and lay.dp_shard > 1
