@@ -481,6 +481,33 @@ def plots(reps: list[LayoutReport], out: Path, n: int) -> None:
     plt.close(fig)
 
 
+def fitting(wanted: dict[str, str], user: list[str], n: int) -> tuple[dict[str, str], dict[str, str]]:
+    """(the layouts of `wanted` that check_layout accepts on n processes with the overrides `user`,
+    the refused ones with the reason)."""
+    cases, refused = {}, {}
+    for name, overrides in wanted.items():
+        try:
+            planner.check_layout(config(overrides.split() + user, Path("unused")), n)
+            cases[name] = overrides
+        except UsageError as e:
+            refused[name] = str(e)
+    return cases, refused
+
+
+def measure(cases: dict[str, str], user: list[str], n: int, steps: int, repeats: int, timeout_s: int = 900) -> dict:
+    """One torchrun launch of n processes measuring every case in turn (`worker`); its results by
+    layout name. Exits with the launch's stderr when it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "measured.json"
+        cmd = [__file__, "--json", str(raw), "--steps", str(steps), "--repeats", str(repeats)]
+        for name, overrides in cases.items():
+            cmd += ["--case", name, " ".join(overrides.split() + user)]
+        r = torchrun_until(n, cmd, timeout_s=timeout_s, capture=True)
+        if r.returncode != 0:
+            sys.exit(f"error: the measuring launch failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
+        return json.loads(raw.read_text())
+
+
 def main() -> None:
     if "RANK" in os.environ:
         ap = argparse.ArgumentParser()
@@ -517,26 +544,12 @@ def main() -> None:
         if unknown:
             ap.exit(2, f"error: unknown layout(s) {unknown}; choose from {sorted(wanted)}\n")
         wanted = {k: wanted[k] for k in names}
-    cases, refused = {}, {}
-    for name, overrides in wanted.items():
-        try:
-            planner.check_layout(config(overrides.split() + args.overrides, Path("unused")), args.nproc)
-            cases[name] = overrides
-        except UsageError as e:
-            refused[name] = str(e)
+    cases, refused = fitting(wanted, args.overrides, args.nproc)
     if not cases:
         ap.exit(2, f"error: no layout fits {args.nproc} processes: {sorted(set(refused.values()))[:3]}\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "measured.json"
-        cmd = [__file__, "--json", str(raw), "--steps", str(args.steps), "--repeats", str(args.repeats)]
-        for name, overrides in cases.items():
-            cmd += ["--case", name, " ".join(overrides.split() + args.overrides)]
-        r = torchrun_until(args.nproc, cmd, timeout_s=900, capture=True)
-        if r.returncode != 0:
-            sys.exit(f"error: the measuring launch failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
-        measured = json.loads(raw.read_text())
+    measured = measure(cases, args.overrides, args.nproc, args.steps, args.repeats)
     torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
     hw = planner.load_hardware("local", config(args.overrides, Path("unused")).trainer.precision, measure=measure_local)
     reps = [compare(name, overrides, measured[name], args.overrides, args.nproc, hw)

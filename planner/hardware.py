@@ -51,6 +51,10 @@ class Hardware:
     # seconds per optimizer step of fixed work outside the blocks: the embedding, head and loss, the
     # clip, the optimizer's per-tensor work, zero_grad
     step_overhead: float = 0.0
+    # seconds per activation element (token x width) per block per micro-batch, forward + backward:
+    # the element-wise work (LayerNorms, GELU, softmax, residual and bias adds) beside the matmuls,
+    # which compute_efficiency prices alone where this is given (local measures both: tools/calibrate.py)
+    elementwise: float = 0.0
     # collectives run beside compute on their own engine (a GPU: NCCL's kernels, copy engines); False
     # on a CPU, whose cores do a collective's copies and sums themselves: nothing is hidden
     overlap: bool = True
@@ -66,6 +70,12 @@ class Hardware:
     # cores share the memory system and caches (local measures it with 2 processes); a GPU's own
     # HBM is its own, 1
     busy_node_slowdown: float = 1.0
+    # a backend whose all-gather and reduce-scatter do not run at the rates of its all-reduce's ring
+    # steps (gloo: a 4 KB all-gather 2.4 ms where a ring step of its all-reduce is 0.9 ms;
+    # benchmarks/collective_rates.py) gives their own latency per ring step and bandwidth, used for
+    # the data-parallel engines' gathers and reduce-scatters inside a node; None: the link's
+    gather_link: Link | None = None
+    scatter_link: Link | None = None
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -113,8 +123,11 @@ def hardware_of(raw, where: str) -> Hardware:
         raise UsageError(f"--hardware file '{where}' needs peak_flops with at least fp32 (and bf16, fp16): "
                          f"FLOP/s per device")
     links = {}
-    for key in ("intra_node", "inter_node"):
+    for key in ("intra_node", "inter_node", "all_gather_link", "reduce_scatter_link"):
         link = raw.get(key)
+        if link is None and key not in ("intra_node", "inter_node"):  # optional: the link's own rates
+            links[key] = None
+            continue
         if not isinstance(link, dict):
             raise UsageError(f"--hardware file '{where}' needs {key}: {{bandwidth: bytes/s, latency: seconds}}")
         links[key] = Link(_number(link, "bandwidth", where), _number(link, "latency", where))
@@ -126,9 +139,10 @@ def hardware_of(raw, where: str) -> Hardware:
                     {k: _number(peaks, k, where) for k in DTYPES if k in peaks},
                     _number(raw, "memory_bandwidth", where), links["intra_node"], links["inter_node"],
                     efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead", "sp_overhead",
-                                                               "step_overhead")),
+                                                               "step_overhead", "elementwise")),
                     _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False),
-                    _flag(raw, "reduce_scatter_as_all_reduce", where, False), _slowdown(raw, where))
+                    _flag(raw, "reduce_scatter_as_all_reduce", where, False), _slowdown(raw, where),
+                    links["all_gather_link"], links["reduce_scatter_link"])
 
 
 def _flag(raw: dict, key: str, where: str, absent: bool) -> bool:

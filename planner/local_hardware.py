@@ -18,7 +18,8 @@ from storage.files import atomic_write_text
 
 UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
                 "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0,
-                "step_overhead": 0.0, "busy_node_slowdown": 1.0}
+                "step_overhead": 0.0, "busy_node_slowdown": 1.0, "elementwise": 0.0,
+                "gather_latency": 100e-6, "gather_bandwidth": 1e9, "scatter_latency": 100e-6, "scatter_bandwidth": 1e9}
 
 
 def cache_path() -> Path:
@@ -72,7 +73,10 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             "compute_efficiency": cached["compute_efficiency"], "block_overhead": cached["block_overhead"],
             "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
             "sp_overhead": cached["sp_overhead"], "step_overhead": cached["step_overhead"],
-            "busy_node_slowdown": cached["busy_node_slowdown"],
+            "busy_node_slowdown": cached["busy_node_slowdown"], "elementwise": cached["elementwise"],
+            # gloo's all-gather and all-to-all (the engines' reduce-scatter) at their own rates
+            "all_gather_link": {"bandwidth": cached["gather_bandwidth"], "latency": cached["gather_latency"]},
+            "reduce_scatter_link": {"bandwidth": cached["scatter_bandwidth"], "latency": cached["scatter_latency"]},
             "overlap": False,  # one process per core: the cores do the collectives' work (planner/hardware.py)
             "shared_node": True,  # a local launch of more ranks than cores shares them
             "reduce_scatter_as_all_reduce": True}  # gloo's reduce_scatter_tensor is an all-reduce

@@ -111,6 +111,10 @@ class Collective:
     # which a backend without a ring reduce-scatter runs as all-reduces (Hardware.reduce_scatter_as_all_reduce)
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0
+    # of a "cp" record in allgather mode: the calls and moved bytes that are all-gathers (the rest
+    # are reduce-scatters), each priced at its own rates where the hardware gives them (gloo's)
+    gather_calls: int = 0
+    gather_bytes: int = 0
 
 
 @dataclass

@@ -2,11 +2,14 @@
 
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
-    compute   = (T x 3 F / (peak x efficiency) + overhead x blocks x M + step_overhead) x busy   forward + backward (2x forward)
+    compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
+                 + step_overhead) x busy   forward + backward (2x forward)
+    w         = h (h / t with sequence parallelism, h (1 + 1/t) / 2 with plain tp): the activation
+                elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
     busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
-    recompute = T x F_blocks / (peak x efficiency) + overhead x blocks x M / 3   activation checkpointing
+    recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M) / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
     bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (planner/schedule.py)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
@@ -127,9 +130,14 @@ def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link,
 
 def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple[float, str]:
     """alpha-beta: each call pays a latency per ring step (all-reduce 2(n-1), reduce-scatter and
-    all-gather n-1, a send 1), the bytes sent pay the bandwidth. On a backend that runs a
+    all-gather n-1, a send 1), the bytes sent pay the bandwidth. The data-parallel engines'
+    all-gathers and reduce-scatters inside a node use the hardware's own figures for them where
+    it gives them (gather_link, scatter_link: gloo's, measured by `local`). On a backend that runs a
     reduce-scatter as an all-reduce (gloo), sequence parallelism's reduce-scatters pay both twice."""
     n, link, where = group_link(lay, c.group, hw)
+    own = {"all-gather": hw.gather_link, "reduce-scatter": hw.scatter_link}.get(c.kind)
+    if own is not None and where == "intra-node":  # gloo's gathers and scatters at their own rates
+        link = own
     if c.kind == "send-recv" or (c.kind == "cp" and lay.cp_mode == "ring"):  # one shift of the ring per call
         steps = 1
     elif c.kind == "all-reduce" or (c.kind == "tp" and not lay.sequence_parallel):
@@ -137,9 +145,35 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple
     else:
         steps = n - 1
     seconds = c.calls * steps * link.latency + c.moved_bytes / link.bandwidth
+    if c.gather_calls and hw.gather_link and hw.scatter_link and where == "intra-node":
+        # cp's allgather mode: its all-gathers and reduce-scatters each at the backend's own rates
+        gather, scatter = hw.gather_link, hw.scatter_link
+        seconds = (steps * (c.gather_calls * gather.latency + (c.calls - c.gather_calls) * scatter.latency)
+                   + c.gather_bytes / gather.bandwidth + (c.moved_bytes - c.gather_bytes) / scatter.bandwidth)
     if hw.reduce_scatter_as_all_reduce:
         seconds += c.reduce_scatter_calls * (n - 1) * link.latency + c.reduce_scatter_bytes / link.bandwidth
     return seconds, where
+
+
+def norm_all_reduces(lay: PlannedLayout) -> list[tuple[str, int, int]]:
+    """(group, its ranks, calls) of the gradient norm's all-reduces in one step (Strategy.clip_grad_norm_,
+    parallel/zero.py): one 4-byte all-reduce per same-layout group of sharded gradients over their mesh
+    (ZeRO-1/2's slices: 1; FSDP2's Shard(0): 1; tensor parallelism's column- and row-wise shards: 2,
+    3 with sequence parallelism; counted at the dispatcher by benchmarks/strategy_report.py at 2
+    processes), and under pp one sum of the stages' squares over the pp group (sum_over_stages).
+    Their bytes are nothing; each pays the per-call latency, 2(n-1) ring steps. A data-parallel
+    shard on a tp mesh (fsdp x tp) is taken as the tp groups' count, priced on the dp shard group:
+    first order, not measured (the counts above are the 2-process layouts')."""
+    out = []
+    tp_groups = (3 if lay.sequence_parallel else 2) if lay.tp > 1 else 0
+    sharded = lay.strategy.value in ("zero-1", "zero-2", "fsdp", "zero-3") and lay.dp_shard > 1
+    if sharded:
+        out.append(("dp_shard", lay.dp_shard, max(1, tp_groups)))
+    elif tp_groups:
+        out.append(("tp", lay.tp, tp_groups))
+    if lay.pp > 1:
+        out.append(("pp", lay.pp, 1))
+    return out
 
 
 def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool, hw: Hardware,
@@ -149,10 +183,20 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
-    compute = tokens * 3 * fwd / rate + overhead + hw.step_overhead
-    recompute = tokens * fwd_blocks / rate + overhead / 3 if lay.activation_checkpointing else 0.0
+    elementwise = tokens * held.blocks * activation_width(g, lay) * hw.elementwise
+    compute = tokens * 3 * fwd / rate + elementwise + overhead + hw.step_overhead
+    recompute = tokens * fwd_blocks / rate + (elementwise + overhead) / 3 if lay.activation_checkpointing else 0.0
     busy = hw.busy_node_slowdown if lay.world > 1 else 1.0  # every device of the node computes
     return compute * busy, recompute * busy
+
+
+def activation_width(g: GPTConfig, lay: PlannedLayout) -> float:
+    """The activation elements per token one rank's block works through element-wise (the
+    hardware's `elementwise` seconds each): the width h, h / t under sequence parallelism (every
+    activation split over tp); plain tp splits attention's and the MLP's (half of it, first
+    order) and repeats the LayerNorms and residual adds on every rank: h (1 + 1/t) / 2."""
+    h, t = g.n_embd, lay.tp
+    return h / t if lay.sequence_parallel else h * (1 + 1 / t) / 2
 
 
 def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
@@ -177,7 +221,9 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     rest = max(rests, key=lambda terms: sum(t.exposed for t in terms))
     terms = [TimeTerm("compute", compute[slow][0], compute[slow][0],
                       f"{_flops_note(g, lay, held[slow])} at {hw.compute_efficiency:g} x {hw.peak(dtype) / 1e12:.4g} "
-                      f"TFLOP/s ({dtype}) + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
+                      f"TFLOP/s ({dtype})"
+                      f"{f' + {hw.elementwise * 1e9:.3g} ns x tokens x blocks x width' if hw.elementwise else ''}"
+                      f" + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
                       f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
                       f"{f', x {hw.busy_node_slowdown:.3g} on a busy node' if hw.busy_node_slowdown > 1 and world > 1 else ''}")]
     if lay.activation_checkpointing:
@@ -227,6 +273,11 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, co
             window -= seconds - exposed
         terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if hidden else ''})", seconds,
                               exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B / bandwidth"))
+    for group, n, calls in norm_all_reduces(lay):
+        link = group_link(lay, group, hw)[1]
+        seconds = calls * 2 * (n - 1) * link.latency  # 4 bytes each: latency only
+        terms.append(TimeTerm(f"norm all-reduce {group}", seconds, seconds,
+                              f"{calls} calls x 2(n-1) ring steps x latency (the gradient norm's partial sums)"))
     terms.append(TimeTerm("optimizer", opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
                           opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
                           f"{OPTIMIZER_BYTES} B x {opt_elems:,} stepped elements / memory bandwidth"))

@@ -149,8 +149,10 @@ def cp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: 
             "m L ((2n-2)a + n g)"
     if lay.activation_checkpointing:
         formula += " + m L (n-1)a recomputed"
+    gathers = (forwards * blocks * m, (n - 1) * forwards * a * blocks * m) if lay.cp_mode == "allgather" else (0, 0)
     out = [Collective("cp", "cp", what, payload * blocks * m, moved * blocks * m,
-                      formula + ", a = 2 b (s/n) (h/tp) e, g = 2 b (s/n) (h/tp) 4", calls=calls * blocks * m)]
+                      formula + ", a = 2 b (s/n) (h/tp) e, g = 2 b (s/n) (h/tp) 4", calls=calls * blocks * m,
+                      gather_calls=gathers[0], gather_bytes=gathers[1])]
     if lay.strategy is Engine.NONE:
         # the vocabulary-parallel embedding's gradient comes back whole on every tp rank
         # (docs/layouts.md), so the runner reduces V rows of it, not its V/tp; unless the head

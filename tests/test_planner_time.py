@@ -106,6 +106,13 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nbusy_node_slowdown: 0.5\n",
      "busy_node_slowdown 0.5 is a slowdown factor; give >= 1"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nall_gather_link: 3\n", "needs all_gather_link: {bandwidth"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nreduce_scatter_link: {bandwidth: 0, latency: 1.0e-5}\n",
+     "needs bandwidth: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nelementwise: -1\n", "needs elementwise: a positive number"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -133,6 +140,7 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert first.step_overhead > 0  # the step's fixed work outside the blocks
     assert first.busy_node_slowdown >= 1  # a block while the other core computes too, over alone (floored at 1)
     assert second.step_overhead == first.step_overhead and second.busy_node_slowdown == first.busy_node_slowdown
+    assert first.elementwise >= 0 and second.elementwise == first.elementwise  # 0: a noisy pair fell back
 
 
 def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):
@@ -337,3 +345,96 @@ def test_local_hardware_is_calibrated_with_a_ranks_threads_not_the_shells(monkey
         assert set(seen) == {2} and "2 threads per rank: OMP_NUM_THREADS" in figures["source"]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("overrides, calls", [
+    (("parallel.strategy=ddp",), 0), (("parallel.strategy=zero", "parallel.zero_stage=2"), 1),
+    (("parallel.strategy=fsdp",), 1), (("parallel.strategy=none", "parallel.tp=2"), 2),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_vocab_parallel=true"), 3),
+    (("parallel.strategy=none", "parallel.pp=2", "parallel.microbatches=4"), 1),
+    (("parallel.strategy=none", "parallel.cp=2"), 0)])
+def test_the_gradient_norms_all_reduces_pay_their_latency(tmp_path, overrides, calls):
+    """clip_grad_norm_'s 4-byte all-reduces (one per same-layout group of sharded gradients, one
+    sum over pp stages), as many as benchmarks/strategy_report.py's dispatcher counts at 2
+    processes: each pays 2(n-1) ring steps of latency, and its bytes nothing."""
+    hw = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False,
+                             intra_node=Link(1e9, 1e-3))
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", *overrides])
+    lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+    norm = [t for t in lp.time.terms if t.name.startswith("norm all-reduce")]
+    assert sum(t.exposed for t in norm) == pytest.approx(calls * 2 * 1e-3)
+    assert lp.time.step_s == pytest.approx(sum(t.exposed for t in lp.time.terms))
+
+
+@pytest.mark.parametrize("overrides, width", [
+    (("parallel.strategy=ddp",), 32), (("parallel.strategy=fsdp",), 32),
+    (("parallel.strategy=none", "parallel.tp=2"), 32 * (1 + 1 / 2) / 2),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true"), 16),
+    (("parallel.strategy=none", "parallel.pp=2", "parallel.microbatches=4"), 32)])
+def test_elementwise_work_costs_per_activation_element(tmp_path, overrides, width):
+    """The hardware's `elementwise` seconds per token x block x activation width are added to the
+    compute (TINY: 4 blocks of 32, batch 8 x block 16 over 2 ranks); a description without it
+    (every GPU file) is unchanged."""
+    base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False)
+    priced = dataclasses.replace(base, elementwise=1e-9)
+
+    def compute(hw):
+        cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", *overrides])
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+        return next(t.seconds for t in lp.time.terms if t.name == "compute"), lp.layout
+    (with_it, lay), (without, _) = compute(priced), compute(base)
+    tokens = 8 * 16 // (lay.dp * lay.cp)
+    assert with_it - without == pytest.approx(tokens * (4 // lay.pp) * width * 1e-9), overrides
+
+
+def test_calibration_separates_matmul_efficiency_from_elementwise_work(monkeypatch):
+    """compute_rates solves the two blocks' times for both unknowns: blocks timed as a CPU of
+    efficiency 0.8 and 2 ns per activation element would run give back 0.8 and 2 ns; times that
+    give a negative element-wise cost fall back to the wide block's efficiency alone."""
+    from tools import calibrate
+    peak, overhead = 1e11, 1e-3
+    monkeypatch.setattr(calibrate, "cpu_peak", lambda dtype: (peak, "test"))
+
+    def timed(efficiency, per_element):
+        def block(w, s, b, repeats):
+            return overhead + 3 * s * b * (24 * w * w + 4 * s * w) / (peak * efficiency) + s * b * w * per_element
+        return block
+    monkeypatch.setattr(calibrate, "measure_block", timed(0.8, 2e-9))
+    efficiency, elementwise = calibrate.compute_rates(overhead)
+    assert efficiency == pytest.approx(0.8) and elementwise == pytest.approx(2e-9)
+    monkeypatch.setattr(calibrate, "measure_block", timed(0.8, -1e-9))
+    efficiency, elementwise = calibrate.compute_rates(overhead)
+    assert elementwise == 0 and 0 < efficiency <= 1
+
+
+def test_gloos_gathers_and_scatters_run_at_their_own_rates(tmp_path):
+    """A description with all_gather_link / reduce_scatter_link (local measures gloo's) prices the
+    data-parallel engines' all-gathers and reduce-scatters with them, calls x (n-1) x latency +
+    bytes / bandwidth; the all-reduce (ddp) and descriptions without them keep the link's rates."""
+    base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False,
+                               intra_node=Link(1e9, 1e-3), inter_node=Link(1e9, 1e-3))
+    own = dataclasses.replace(base, gather_link=Link(2e8, 5e-3), scatter_link=Link(4e8, 3e-3))
+
+    def terms(hw, *overrides):
+        cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", *overrides])
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+        return {t.name.split(" (")[0]: t.seconds for t in lp.time.terms}, {c.kind: c for c in lp.collectives}
+    (fsdp, moves), (plain, _) = terms(own, "parallel.strategy=fsdp"), terms(base, "parallel.strategy=fsdp")
+    gather, scatter = moves["all-gather"], moves["reduce-scatter"]
+    assert fsdp["all-gather dp"] == pytest.approx(gather.calls * 5e-3 + gather.moved_bytes / 2e8)
+    assert fsdp["reduce-scatter dp"] == pytest.approx(scatter.calls * 3e-3 + scatter.moved_bytes / 4e8)
+    assert plain["all-gather dp"] == pytest.approx(gather.calls * 1e-3 + gather.moved_bytes / 1e9)
+    assert terms(own, "parallel.strategy=ddp")[0] == terms(base, "parallel.strategy=ddp")[0]
+    # context parallelism's allgather mode: per layer one all-gather of K/V and one reduce-scatter of dK/dV
+    cp, moves = terms(own, "parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=allgather")
+    c = moves["cp"]
+    assert (c.gather_calls, c.calls) == (4, 8) and 0 < c.gather_bytes < c.moved_bytes  # TINY: 4 layers, 1 micro-batch
+    assert cp["cp cp"] == pytest.approx(4 * 5e-3 + 4 * 3e-3 + c.gather_bytes / 2e8 + (c.moved_bytes - c.gather_bytes) / 4e8)
+    ring = terms(own, "parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=ring")[0]
+    assert ring == terms(base, "parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=ring")[0]  # sends
+    hw = tmp_path / "gloo.yaml"
+    hw.write_text("name: x\ndevices_per_node: 2\nmemory: 8GB\npeak_flops: {fp32: 1.0e+11}\nmemory_bandwidth: 1.0e+10\n"
+                  "compute_efficiency: 0.5\nintra_node: {bandwidth: 1.0e+9, latency: 1.0e-3}\n"
+                  "inter_node: {bandwidth: 1.0e+9, latency: 1.0e-3}\nall_gather_link: {bandwidth: 2.0e+8, latency: 5.0e-3}\n")
+    read = load_hardware(str(hw))
+    assert read.gather_link == Link(2e8, 5e-3) and read.scatter_link is None

@@ -15,10 +15,12 @@
   tensor-parallel one, timed in one process on
   torch's fake process group (its collectives return at once, so what remains is the engine's
   host work: DTensor dispatch and redistribution, FSDP2's hooks and copy-in/out);
-- compute efficiency: forward + backward of a 256-wide block on 8 x 128 tokens (about 10 GFLOP),
-  less the block overhead, against the peak: the fraction of the matmul peak a GPT block's
-  matmuls, attention and element-wise work reach together (0.7-0.8 on the 2-core machine; a
-  narrower model reaches less, which the overhead term partly covers);
+- compute efficiency and element-wise cost: forward + backward of a 256-wide and a 64-wide block
+  on the same 8 x 128 tokens, less the block overhead: the matmuls' fraction of the peak and the
+  seconds per activation element of the rest (LayerNorm, GELU, softmax, adds), two equations in
+  two unknowns (compute_rates). One efficiency alone, measured at 256 wide, priced a narrow
+  model's element-wise work by its FLOPs, too little: the 2-process grid of
+  benchmarks/step_time_grid.py measured up to 1.6x the prediction at width 64;
 - step overhead: a whole training step of that tiny GPT (forward, loss, backward, the clip, fused
   AdamW, zero_grad) less its blocks' fixed cost: the work every step pays outside the blocks;
 - busy-node slowdown: a block's forward + backward while both calibration processes compute, over
@@ -29,7 +31,7 @@ Every figure is measured with the threads of one rank of a local launch (worker_
 OMP_NUM_THREADS=1 unless the environment sets it), whatever the calling shell's threads.
 Every figure is measured with the threads of one rank of a local launch (planner/local_hardware.py
 worker_threads: torchrun's OMP_NUM_THREADS=1 unless the environment sets it), whatever the calling
-shell's threads. The last seven are cached in `local-hardware.json` beside the CPU peak cache
+shell's threads. All but the peak are cached in `local-hardware.json` beside the CPU peak cache
 (observe.perf.peak_cache_path, $MINGPT_PEAK_CACHE), keyed like it by CPU model, threads and torch
 version: planner/local_hardware.py reads them, and calls `measure_local` only where its caller
 passes it (`python main.py --plan`; a launch never measures).
@@ -56,21 +58,45 @@ from tools.processes import child_env, multiprocess_lock
 
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
+NARROW_WIDTH = 64  # the second block (same positions and sequences) that separates the element-wise work
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
 
 
 def measure_local() -> dict:
     overhead = measure_block(32, 16, 1, repeats=20)
-    width, positions, sequences = EFFICIENCY_BLOCK
-    seconds = measure_block(width, positions, sequences, repeats=3)
-    flops = 3 * sequences * positions * (24 * width * width + 4 * positions * width)  # forward + backward
-    efficiency = min(1.0, flops / (cpu_peak("fp32")[0] * max(seconds - overhead, 1e-9)))
+    efficiency, elementwise = compute_rates(overhead)
     figures = measure_link_and_engines()
     # the step's fixed cost outside the blocks (embedding, head and loss, clip, the optimizer's
     # per-tensor work, zero_grad): the tiny GPT's whole step less its blocks' fixed cost
     step_overhead = max(0.0, figures.pop("plain_step") - ENGINE_MODEL[0] * overhead)
     return {**figures, "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": overhead,
-            "compute_efficiency": efficiency, "step_overhead": step_overhead}
+            "compute_efficiency": efficiency, "step_overhead": step_overhead, "elementwise": elementwise}
+
+
+def compute_rates(overhead: float) -> tuple[float, float]:
+    """(compute efficiency, seconds per activation element per block) from two blocks of the same
+    tokens, EFFICIENCY_BLOCK's width and NARROW_WIDTH's: less the fixed overhead, each block takes
+
+        t_w - overhead = 3 F_w tokens / (peak x efficiency) + tokens x w x elementwise
+
+    (F_w = 24 w^2 + 4 s w forward FLOPs per token: the matmuls at the peak's efficiency; the
+    element-wise work, LayerNorms, GELU, softmax, residual and bias adds, in proportion to the
+    activation's width), two equations for the two unknowns. Without the second term a narrow
+    model's element-wise work, a larger share of its step, goes unpriced (measured on the
+    2-process grid, benchmarks/step_time_grid.py). A noisy pair that gives a negative
+    element-wise cost falls back to the wide block's efficiency alone."""
+    width, positions, sequences = EFFICIENCY_BLOCK
+    tokens, peak = positions * sequences, cpu_peak("fp32")[0]
+    flops = {w: 3 * tokens * (24 * w * w + 4 * positions * w) / peak for w in (width, NARROW_WIDTH)}
+    busy = {w: max(measure_block(w, positions, sequences, repeats=3 if w == width else 7) - overhead, 1e-9)
+            for w in (width, NARROW_WIDTH)}
+    # t = a x + n c, with x = 1 / efficiency, c = elementwise, n = tokens x w
+    (a1, n1, t1), (a2, n2, t2) = ((flops[w], tokens * w, busy[w]) for w in (width, NARROW_WIDTH))
+    det = a1 * n2 - a2 * n1
+    x, c = (t1 * n2 - t2 * n1) / det, (a1 * t2 - a2 * t1) / det
+    if c <= 0 or x < 1:
+        return min(1.0, a1 / t1), 0.0
+    return 1 / x, c
 
 
 def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float:
@@ -182,32 +208,47 @@ def busy_node_slowdown(rank: int, repeats: int = 7) -> float:
 
 def _link_child(rank: int, store_path: str, threads: int) -> None:
     """One of the 2 calibration processes. A step issues each collective after a stretch of compute,
-    and its time sums many of them: so each all-reduce here follows the same ~7 ms of matmuls on
-    both ranks, and the mean counts (on the 2-core machine the calls are bimodal, 0.3-0.5 ms or
-    about 3 ms while the peer's communication threads wake up). Latency per ring step: the mean
-    4 KB all-reduce / 2 (2 ring steps on 2 ranks); bandwidth: each rank sends K of an 8 MB one,
-    K / (mean - 2 latency)."""
+    and its time sums many of them: so each call here follows the same ~7 ms of matmuls on both
+    ranks, and the mean counts (on the 2-core machine the calls are bimodal, 0.3-0.5 ms or about
+    3 ms while the peer's communication threads wake up). Latency per ring step: the mean 4 KB
+    all-reduce / 2 (2 ring steps on 2 ranks); bandwidth: each rank sends K of an 8 MB one,
+    K / (mean - 2 latency). The same for gloo's all-gather and all-to-all (FSDP2's and ZeRO's
+    gathers; the project's reduce-scatter on gloo, parallel/collectives.py), 1 ring step each at 2
+    ranks, each rank sending K/2: gloo's are not a ring's pieces of its all-reduce (measured by
+    benchmarks/collective_rates.py: a 4 KB all-gather 2.4 ms where the all-reduce's ring step is
+    0.9 ms), so they get their own figures."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     slowdown = busy_node_slowdown(rank)
     a = torch.randn(256, 256)
 
-    def mean_after_work(tensor: torch.Tensor, calls: int) -> float:
+    def mean_after_work(call, calls: int) -> float:
         for _ in range(3):
-            dist.all_reduce(tensor)
+            call()
         total = 0.0
         for _ in range(calls):
             for _ in range(20):  # about 7 ms of matmuls on one core
                 a @ a
-            total += _timed(lambda: dist.all_reduce(tensor))
+            total += _timed(call)
         return total / calls
-    latency = mean_after_work(torch.ones(SMALL), 40) / 2
-    large = torch.ones(LARGE)
-    seconds = mean_after_work(large, 20)
-    # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
-    bandwidth = large.numel() * large.element_size() / max(seconds - 2 * latency, seconds / 2)
+
+    def rates(kind: str) -> tuple[float, float]:
+        """(seconds per ring step, bytes/s one rank sends) of one kind at 2 ranks."""
+        steps, sent = (2, 1.0) if kind == "all-reduce" else (1, 0.5)
+        small, large = torch.ones(SMALL), torch.ones(LARGE)
+        out = torch.empty(LARGE)
+        call = {"all-reduce": dist.all_reduce,
+                "all-gather": lambda x: dist.all_gather_into_tensor(out[: x.numel()], x[: x.numel() // 2]),
+                "all-to-all": lambda x: dist.all_to_all_single(out[: x.numel()], x)}[kind]
+        latency = mean_after_work(lambda: call(small), 40) / steps
+        seconds = mean_after_work(lambda: call(large), 20)
+        # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
+        return latency, sent * large.numel() * large.element_size() / max(seconds - steps * latency, seconds / 2)
+    (latency, bandwidth), gather, scatter = rates("all-reduce"), rates("all-gather"), rates("all-to-all")
     dist.destroy_process_group()
     if rank == 0:
         print(json.dumps({"latency": latency, "bandwidth": bandwidth, "busy_node_slowdown": slowdown,
+                          "gather_latency": gather[0], "gather_bandwidth": gather[1],
+                          "scatter_latency": scatter[0], "scatter_bandwidth": scatter[1],
                           **_engines(threads)}), flush=True)
 
 

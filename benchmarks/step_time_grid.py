@@ -1,0 +1,178 @@
+"""The step-time model across shapes: strategy_report's 13 layouts at 2 processes over a grid of shapes,
+measured median step / predicted step (planner/timing.py on `--hardware local`) per row.
+
+    python benchmarks/step_time_grid.py --out /tmp/grid                  # measure every shape, then compare
+    python benchmarks/step_time_grid.py --out /tmp/grid --shapes A,C     # measure only these
+    python benchmarks/step_time_grid.py --out /tmp/grid --replan         # compare again, measuring nothing
+
+Each shape is one torchrun launch of benchmarks/strategy_report.py's worker (the same warm-up, the same
+median of REPEATS runs of STEPS steps, barrier to barrier); its raw measurement is kept in
+OUT/measured-<shape>.json, so that a change to the time model is compared again with `--replan` on the
+same measurements instead of timing again. The grid spans width 64-512, depth 2-8, block 32-256; the
+global batch shrinks on the largest shapes so that each shape's launch stays within a few minutes on 2
+cores. Shapes marked `fit` are those whose ddp, pp and cp-ring rows
+chose the form of the compute's element-wise term (a regression of their residuals, docs/planner.md);
+its constant, like every local figure, is calibrated by tools/calibrate.py, not fitted on this grid,
+and the other shapes are held out. Prints (and writes OUT/grid.md) one table with the CPU's model and instruction sets beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import _repo  # noqa: F401  (the repository on sys.path)
+import strategy_report as sr
+import torch
+
+import planner
+from observe.perf import ISA_FLAGS, cpu_model
+from parallel.precision import cpu_flags
+from tools.calibrate import measure_local
+
+NPROC = 2
+BAR = sr.TIME_BAR
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    width: int
+    block: int
+    batch: int  # global batch in sequences (a multiple of 4: pp2's 4 micro-batches)
+    fit: bool  # a row a fitted constant may be fitted on; the others are held out
+
+    def overrides(self) -> list[str]:
+        return [f"model.n_layer={self.layers}", f"model.n_embd={self.width}", "model.n_head=4",
+                f"model.block_size={self.block}", "model.dropout=0.0", f"trainer.batch_size={self.batch}"]
+
+    def label(self) -> str:
+        return f"{self.layers} x {self.width}, block {self.block}, batch {self.batch}"
+
+
+# Why these: the two corners measured before (A, E); depth alone at the narrowest width (B: 8 blocks of
+# 64, where per-block fixed costs weigh most); the longest block at a narrow width (C: attention's s^2
+# against small matmuls); width alone (D, G); a deep model with a short block (F: many tensors, little
+# math each); the largest corner (H), its batch cut to 4 so the launch finishes. Fit and held-out shapes
+# alternate along the grid's step-time range.
+SHAPES = [
+    Shape("A", 2, 64, 32, 16, True),
+    Shape("B", 8, 64, 64, 16, False),
+    Shape("C", 4, 128, 256, 8, True),
+    Shape("D", 2, 256, 64, 16, False),
+    Shape("E", 4, 256, 128, 16, True),
+    Shape("F", 8, 256, 32, 16, False),
+    Shape("G", 2, 512, 128, 8, True),
+    Shape("H", 6, 512, 256, 4, False),
+]
+
+
+def cpu_line() -> str:
+    flags = cpu_flags()
+    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no avx2"
+    return (f"CPU: {cpu_model()}, {len(__import__('os').sched_getaffinity(0))} cores, {isa}; "
+            f"{NPROC} processes x 1 thread, torch {torch.__version__}")
+
+
+def figures(hw) -> str:
+    """The local figures the prediction used (they vary between calibrations: say which)."""
+    links = [f"{name} {1e3 * link.latency:.2f} ms + {link.bandwidth / 1e9:.2f} GB/s"
+             for name, link in (("ring step", hw.intra_node), ("all-gather", hw.gather_link),
+                                ("reduce-scatter", hw.scatter_link)) if link is not None]
+    return (f"figures: {hw.peak('fp32') / 1e9:.1f} GFLOP/s x efficiency {hw.compute_efficiency:.3f}, element-wise "
+            f"{hw.elementwise * 1e9:.1f} ns, block {1e3 * hw.block_overhead:.2f} ms, step {1e3 * hw.step_overhead:.2f} ms, "
+            f"busy x {hw.busy_node_slowdown:.3f}; " + "; ".join(links))
+
+
+def rows_of(shape: Shape, measured: dict, hw) -> list[dict]:
+    """One row per layout measured at this shape: predicted and measured step, their ratio, the
+    prediction's terms."""
+    out = []
+    for name, got in measured.items():
+        rep = sr.compare(name, sr.layouts(NPROC)[name], got, shape.overrides(), NPROC, hw)
+        out.append({"shape": shape.name, "layout": name, "predicted_ms": 1000 * rep.step_predicted_s,
+                    "measured_ms": 1000 * rep.step_s, "runs_ms": [1000 * x for x in rep.step_runs_s],
+                    "ratio": rep.time_ratio, "fit": shape.fit,
+                    "terms": {t: 1000 * s for t, s in rep.time_terms}})
+    return out
+
+
+def table(rows: list[dict], shapes: list[Shape]) -> list[str]:
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    cell = {(r["shape"], r["layout"]): r for r in rows}
+    head = "| layout | " + " | ".join(f"{s.name}: {s.label()}{' (fit)' if s.fit else ''}" for s in shapes) + " |"
+    out = [head, "|---" * (len(shapes) + 1) + "|"]
+    for name in layouts:
+        cells = []
+        for s in shapes:
+            r = cell.get((s.name, name))
+            cells.append("-" if r is None else f"{r['measured_ms']:.1f} / {r['predicted_ms']:.1f} = "
+                         f"{r['ratio']:.2f}{'' if abs(r['ratio'] - 1) <= BAR else ' *'}")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def summary(rows: list[dict]) -> list[str]:
+    out = []
+    for label, pick in (("fit", True), ("held out", False)):
+        sub = [r for r in rows if r["fit"] is pick]
+        if not sub:
+            continue
+        outside = [r for r in sub if abs(r["ratio"] - 1) > BAR]
+        out.append(f"{label}: {len(sub)} rows, {len(outside)} outside {BAR:.0%}, median ratio "
+                   f"{statistics.median(r['ratio'] for r in sub):.2f}, range {min(r['ratio'] for r in sub):.2f}-"
+                   f"{max(r['ratio'] for r in sub):.2f}")
+    worst = sorted(rows, key=lambda r: -abs(r["ratio"] - 1))[:8]
+    out.append("worst: " + "; ".join(f"{r['shape']} {r['layout']} {r['ratio']:.2f}" for r in worst))
+    return out
+
+
+def main() -> None:
+    if "RANK" in __import__("os").environ:
+        sys.exit("error: run step_time_grid.py from a shell; it launches strategy_report.py's workers itself")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for measured-<shape>.json, grid.json and grid.md")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per run (default 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per layout, the median counts (default 3)")
+    ap.add_argument("--shapes", default="", help=f"comma-separated shape names (default all: "
+                    f"{','.join(s.name for s in SHAPES)})")
+    ap.add_argument("--replan", action="store_true", help="measure nothing: compare the kept measurements again")
+    args = ap.parse_args()
+    known = {s.name: s for s in SHAPES}
+    names = [x.strip() for x in args.shapes.split(",") if x.strip()] or list(known)
+    if unknown := [x for x in names if x not in known]:
+        ap.exit(2, f"error: unknown shape(s) {unknown}; choose from {sorted(known)}\n")
+    if args.steps < 1 or args.repeats < 1:
+        ap.exit(2, "error: --steps and --repeats must be >= 1\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(cpu_line(), flush=True)
+    for name in names if not args.replan else []:
+        shape = known[name]
+        cases, _ = sr.fitting(sr.layouts(NPROC), shape.overrides(), NPROC)
+        print(f"measuring {name}: {shape.label()}, {len(cases)} layouts", flush=True)
+        measured = sr.measure(cases, shape.overrides(), NPROC, args.steps, args.repeats)
+        (out / f"measured-{name}.json").write_text(json.dumps(measured))
+        (out / f"timing-{name}.json").write_text(json.dumps({"steps": args.steps, "repeats": args.repeats}))
+    torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
+    hw = planner.load_hardware("local", "fp32", measure=measure_local)
+    shapes = [known[n] for n in names if (out / f"measured-{n}.json").is_file()]
+    if not shapes:
+        ap.exit(2, f"error: no measured-<shape>.json in {out}; run without --replan first\n")
+    rows = [r for s in shapes for r in rows_of(s, json.loads((out / f"measured-{s.name}.json").read_text()), hw)]
+    timing = {json.dumps(json.loads(p.read_text())) for p in out.glob("timing-*.json")}
+    lines = [cpu_line(), f"hardware: {hw.source}", figures(hw), "",
+             f"Cells: measured ms / predicted ms = measured / predicted (* outside {BAR:.0%}); the median "
+             f"of REPEATS runs of STEPS steps: {', '.join(sorted(timing))}.", ""]
+    lines += table(rows, shapes) + [""] + summary(rows)
+    (out / "grid.json").write_text(json.dumps({"cpu": cpu_line(), "hardware": hw.source, "rows": rows}, indent=1))
+    (out / "grid.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
