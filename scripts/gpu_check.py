@@ -241,6 +241,22 @@ def check_fp16(c: Check) -> Result:
                   if losses else "no metrics rows")
 
 
+def check_matmul_attention(c: Check) -> Result:
+    """trainer.attention=matmul (plain-op attention, model.py) beside the fused kernel, bf16, 40 steps:
+    the same training within bf16's rounding (every logged loss within 2%), never run on a GPU before."""
+    losses = {}
+    for kernel in ("sdpa", "matmul"):
+        run = c.run_dir(f"attention-{kernel}")
+        r = c.main(f"attention-{kernel}", f"trainer.run_dir={run}", "trainer.precision=bf16", "trainer.max_steps=40",
+                   "trainer.log_every=10", "trainer.eval_every=40", f"trainer.attention={kernel}")
+        if r.returncode != 0:
+            return Result("matmul-attention", "FAIL", f"{kernel}: exit {r.returncode}: {tail(r, 2)}")
+        losses[kernel] = [row["loss"] for row in rows(run) if "loss" in row]
+    a, b = losses["sdpa"], losses["matmul"]
+    ok = len(a) == len(b) > 1 and all(abs(x - y) <= 0.02 * abs(x) for x, y in zip(a, b)) and b[-1] < b[0]
+    return Result("matmul-attention", "PASS" if ok else "FAIL", f"losses sdpa {a} vs matmul {b}")
+
+
 def check_hang(c: Check) -> Result:
     """A training thread blocked forever on one rank (MINGPT_FAULT=block): the watchdog's line, exit 4,
     and NCCL's own recorder in the dump folder."""
@@ -344,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                         background=True)),
                     ("async-save", lambda: check_snapshots(c, "async-save", background=True)),
                     ("resume-bit-exact", lambda: check_resume(c)), ("fp16-grad-scaler", lambda: check_fp16(c)),
-                    ("hang-watchdog-nccl", lambda: check_hang(c))]
+                    ("hang-watchdog-nccl", lambda: check_hang(c)),
+                    ("matmul-attention", lambda: check_matmul_attention(c))]
     with ThreadPoolExecutor(max_workers=len(side_by_side)) as pool:
         for result in pool.map(lambda named: _guarded(*named), side_by_side):
             print(result.line(), flush=True)
