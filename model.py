@@ -56,8 +56,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     """Causal attention of (B, heads, T, head_dim) inputs in torch's fused kernel (`sdpa`: flash on a
     CPU; flash, memory-efficient or cuDNN on a GPU), which never holds the (T, T) scores. On a CPU
     in bf16 prefer matmul_attention for short sequences: torch 2.13's CPU flash backward in bf16
-    took 2.6x its fp32 time (3.73 vs 1.42 ms forward + backward at 12 x 4 heads x 64 tokens x 32,
-    2 threads, an EPYC with avx512_bf16; measured 2026-11-27)."""
+    took 2.8x its fp32 time (3.73 vs 1.34 ms forward + backward at 12 x 4 heads x 64 tokens x 32,
+    2 threads, an EPYC with avx512_bf16; benchmarks/fast_preset_variants.py, 2026-11-27)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
 
@@ -67,7 +67,9 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     where the fused kernel holds B x heads x T. Faster on a CPU for short sequences, where the fused
     kernel's blocking costs more than the scores (nanoGPT's CPU model, T = 64, forward + backward of
     a layer's attention: 1.11 vs 1.34 ms in fp32, 1.08 vs 3.73 ms in bf16; benchmarks/fast_preset_variants.py).
-    q is scaled before the product so fp16 scores stay in range; the softmax runs in fp32."""
+    q is scaled before the product so fp16 scores stay in range; the softmax runs in fp32. The same
+    function as the fused kernel in fp32; under bf16/fp16 autocast the scores leave the product
+    rounded to 16 bits before the fp32 softmax, where the fused kernels keep them in fp32."""
     t = q.size(-2)
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
     scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))

@@ -29,6 +29,7 @@ per seed and reports the spread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -85,7 +86,10 @@ class Finished:
 def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: float) -> list[Finished]:
     """Run each (argv, cwd) to its end. turns = 0: one after the other. turns > 0: all started, and
     they take turns on the machine, `turns` seconds each (SIGSTOP / SIGCONT: one runs at a time, as
-    before), so a burst of outside load slows every side alike; each wall time then includes the
+    before), so while they overlap a burst of outside load slows every side alike (the last to
+    finish runs its tail alone). The step a process is stopped in counts the others' turns: in
+    nanoGPT's per-iteration median 1 in ~40 steps, in this project's median of 10-step means about
+    1 window in 7 at 2 s turns, a bias against this project's figure; each wall time then includes the
     others' turns."""
     if turns <= 0:
         done = []
@@ -94,29 +98,35 @@ def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: f
             r = subprocess.run(argv, cwd=cwd, env=env(threads), capture_output=True, text=True)
             done.append(Finished(r.stdout, r.stderr, r.returncode, time.perf_counter() - start))
         return done
-    with tempfile.TemporaryDirectory() as d:
-        logs = [(open(Path(d) / f"{i}.out", "w+"), open(Path(d) / f"{i}.err", "w+")) for i in range(len(commands))]
-        start, ends = time.perf_counter(), {}
-        procs = []
-        for (argv, cwd), (out, err) in zip(commands, logs):
-            # its own process group: a turn stops and resumes its children too (inductor's compile workers)
-            procs.append(subprocess.Popen(argv, cwd=cwd, env=env(threads), stdout=out, stderr=err, text=True,
-                                          start_new_session=True))
-            os.killpg(procs[-1].pid, signal.SIGSTOP)
-        while len(ends) < len(procs):
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as files:
+        logs = [(files.enter_context(open(Path(d) / f"{i}.out", "w+")),
+                 files.enter_context(open(Path(d) / f"{i}.err", "w+"))) for i in range(len(commands))]
+        start, ends, procs = time.perf_counter(), {}, []
+        try:
+            for (argv, cwd), (out, err) in zip(commands, logs):
+                # its own process group: a turn stops and resumes its children too (inductor's compile workers)
+                procs.append(subprocess.Popen(argv, cwd=cwd, env=env(threads), stdout=out, stderr=err, text=True,
+                                              start_new_session=True))
+                os.killpg(procs[-1].pid, signal.SIGSTOP)
+            while len(ends) < len(procs):
+                for i, proc in enumerate(procs):
+                    if i in ends:
+                        continue
+                    os.killpg(proc.pid, signal.SIGCONT)
+                    try:
+                        proc.wait(timeout=turns)
+                        ends[i] = time.perf_counter()
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGSTOP)
+        finally:  # interrupted (Ctrl-C, an error): no stopped process may outlive this one
             for i, proc in enumerate(procs):
-                if i in ends:
-                    continue
-                os.killpg(proc.pid, signal.SIGCONT)
-                try:
-                    proc.wait(timeout=turns)
-                    ends[i] = time.perf_counter()
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGSTOP)
+                if i not in ends and proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         done = []
-        for proc, (out, err) in zip(procs, logs):
+        for i, (proc, (out, err)) in enumerate(zip(procs, logs)):
             out.seek(0), err.seek(0)
-            done.append(Finished(out.read(), err.read(), proc.returncode, ends[procs.index(proc)] - start))
+            done.append(Finished(out.read(), err.read(), proc.returncode, ends[i] - start))
         return done
 
 
@@ -140,7 +150,7 @@ def ours_command(folder: Path, steps: int, seed: int, extra: list[str], preset: 
     recipe = (["--config", preset] if preset else
               [*NANOGPT_CPU, f"trainer.max_steps={steps}", f"optimizer.lr_decay_steps={steps}", "trainer.log_every=10"])
     overrides = [*recipe, f"data.path={CORPUS}", f"trainer.seed={seed}", "trainer.hang_timeout_s=0",
-                 f"trainer.run_dir={folder / f'{tag}-{seed}'}", *extra]
+                 f"trainer.log_every={WINDOW}", f"trainer.run_dir={folder / f'{tag}-{seed}'}", *extra]
     return [sys.executable, "main.py", *overrides], REPO
 
 
@@ -228,7 +238,7 @@ def cpu_line() -> str:
             f"fastest precision: {fastest_cpu_precision(flags)[1]}")
 
 
-def report(results: dict, seeds: list[int]) -> None:
+def report(results: dict, seeds: list[int], turns: float = 0.0) -> None:
     """Every run's figures, then each of our runs' ratios to nanoGPT's of the same seed."""
     nanos = results["nanoGPT"]
     for name, runs in results.items():
@@ -246,7 +256,8 @@ def report(results: dict, seeds: list[int]) -> None:
         walls = [o["wall_s"] / n["wall_s"] for n, o in zip(nanos, runs)]
         notes = sorted({r["note"] for r in runs if r.get("note")})
         print(f"{name}:{' ' + '; '.join(notes) if notes else ''}")
-        print(f"  wall time ratio (ours / nanoGPT's, start-up included): {', '.join(f'{w:.2f}x' for w in walls)}")
+        caveat = "; with --turns each wall includes the others' turns" if turns else ""
+        print(f"  wall time ratio (ours / nanoGPT's, start-up included{caveat}): {', '.join(f'{w:.2f}x' for w in walls)}")
         print(f"  tokens/s ratio (ours / nanoGPT's): {', '.join(f'{r:.2f}x' for r in ratios)}; "
               f"val loss difference (ours - nanoGPT's): {', '.join(f'{x:+.4f}' for x in diffs)} "
               f"(mean {statistics.mean(diffs):+.4f})")
@@ -256,7 +267,9 @@ def report(results: dict, seeds: list[int]) -> None:
 
 def fast_tokens_per_s(run: dict, tokens: int) -> float:
     """Tokens/s of a run's 10th-percentile window: what it sustains while nothing else slows it."""
-    return tokens / statistics.quantiles(run["windows_ms"], n=10)[0] * 1000
+    windows = run["windows_ms"]
+    fast = statistics.quantiles(windows, n=10, method="inclusive")[0] if len(windows) > 1 else windows[0]
+    return tokens / fast * 1000
 
 
 def main() -> None:
@@ -300,7 +313,7 @@ def main() -> None:
           f"{', ours with ' + args.preset if args.preset else ''}"
           f"{', overrides ' + ' '.join(args.overrides) if args.overrides else ''}")
     print(cpu_line())
-    report(results, args.seeds)
+    report(results, args.seeds, args.turns)
 
 
 if __name__ == "__main__":
