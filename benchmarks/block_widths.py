@@ -13,38 +13,25 @@ as T h^2.
 from __future__ import annotations
 
 import argparse
-import time
 
 import _repo  # noqa: F401  (the repository on sys.path)
 import torch
 
-from model import Block, GPTConfig
 from observe.perf import cpu_peak
+from tools.calibrate import measure_block
 
 SHAPES = [(64, 32, 8), (64, 64, 8), (64, 128, 8), (128, 128, 8), (128, 256, 4), (256, 32, 8), (256, 64, 8),
           (256, 128, 8), (256, 256, 4), (512, 128, 4), (512, 256, 2)]  # width, positions, sequences
-
-
-def best(width: int, positions: int, sequences: int, repeats: int = 5) -> float:
-    block = Block(GPTConfig(block_size=positions, n_embd=width, n_head=4, dropout=0.0))
-    x = torch.randn(sequences, positions, width, requires_grad=True)
-    block(x).sum().backward()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        block(x).sum().backward()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     torch.set_num_threads(1)
     peak = cpu_peak("fp32")[0]
-    overhead = best(32, 16, 1, repeats=20)
+    overhead = measure_block(32, 16, 1, repeats=20)
     print(f"fp32 peak {peak / 1e9:.1f} GFLOP/s (1 thread), per-block overhead {overhead * 1e3:.3f} ms")
     for w, s, b in SHAPES:
-        t = best(w, s, b)
+        t = measure_block(w, s, b, repeats=5)
         flops = 3 * b * s * (24 * w * w + 4 * s * w)
         rest = (t - overhead - flops / (0.9 * peak)) / (b * s * w)
         print(f"width {w:4d}, block {s:4d}, {b} sequences: {t * 1e3:8.3f} ms, efficiency "

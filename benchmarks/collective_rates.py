@@ -24,19 +24,11 @@ import _repo  # noqa: F401  (the repository on sys.path)
 import torch
 import torch.distributed as dist
 
+from tools.calibrate import collective_call
 from tools.processes import child_env, multiprocess_lock
 
 SIZES = (1024, 2 * 2**20, 8 * 2**20)  # fp32 elements: 4 KB (latency), 8 MB, 32 MB
 CALLS = 8
-
-
-def _call(kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
-    if kind == "all-reduce":
-        dist.all_reduce(x)
-    elif kind == "all-gather":
-        dist.all_gather_into_tensor(out, x[: x.numel() // 2])
-    else:
-        dist.all_to_all_single(out[: x.numel()], x)
 
 
 def child(rank: int, store: str) -> None:
@@ -47,14 +39,14 @@ def child(rank: int, store: str) -> None:
         x, out = torch.randn(elems), torch.empty(elems)
         for kind in ("all-reduce", "all-gather", "all-to-all"):
             for _ in range(2):
-                _call(kind, x, out)
+                collective_call(kind, x, out)
             total = 0.0
             for _ in range(CALLS):
                 for _ in range(20):  # about 7 ms of matmuls on one core, as between a step's collectives
                     a @ a
                 dist.barrier()
                 t0 = time.perf_counter()
-                _call(kind, x, out)
+                collective_call(kind, x, out)
                 total += time.perf_counter() - t0
             mean = total / CALLS
             sent = 4 * elems * (1 if kind == "all-reduce" else 0.5)  # bytes one rank sends at n = 2

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (the repository on sys.path)
 import torch
-from vs_nanogpt import cpu_line
 
 from checks import load_config
 from launch.build import build_trainer
 from model import causal_attention, matmul_attention
+from observe.perf import cpu_line
 from parallel.env import init_distributed
 from testing.local import CORPUS, REPO
 

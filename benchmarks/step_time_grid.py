@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -29,8 +30,7 @@ import strategy_report as sr
 import torch
 
 import planner
-from observe.perf import ISA_FLAGS, cpu_model
-from parallel.precision import cpu_flags
+from observe.perf import cpu_line
 from tools.calibrate import measure_local
 
 NPROC = 2
@@ -71,11 +71,9 @@ SHAPES = [
 ]
 
 
-def cpu_line() -> str:
-    flags = cpu_flags()
-    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no avx2"
-    return (f"CPU: {cpu_model()}, {len(__import__('os').sched_getaffinity(0))} cores, {isa}; "
-            f"{NPROC} processes x 1 thread, torch {torch.__version__}")
+def machine_line() -> str:
+    return (f"{cpu_line()} | {len(os.sched_getaffinity(0))} cores; {NPROC} processes x 1 thread, "
+            f"torch {torch.__version__}")
 
 
 def figures(hw) -> str:
@@ -132,7 +130,7 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    if "RANK" in __import__("os").environ:
+    if "RANK" in os.environ:
         sys.exit("error: run step_time_grid.py from a shell; it launches strategy_report.py's workers itself")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for measured-<shape>.json, grid.json and grid.md")
@@ -150,7 +148,7 @@ def main() -> None:
         ap.exit(2, "error: --steps and --repeats must be >= 1\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(cpu_line(), flush=True)
+    print(machine_line(), flush=True)
     for name in names if not args.replan else []:
         shape = known[name]
         cases, _ = sr.fitting(sr.layouts(NPROC), shape.overrides(), NPROC)
@@ -165,11 +163,11 @@ def main() -> None:
         ap.exit(2, f"error: no measured-<shape>.json in {out}; run without --replan first\n")
     rows = [r for s in shapes for r in rows_of(s, json.loads((out / f"measured-{s.name}.json").read_text()), hw)]
     timing = {json.dumps(json.loads(p.read_text())) for p in out.glob("timing-*.json")}
-    lines = [cpu_line(), f"hardware: {hw.source}", figures(hw), "",
+    lines = [machine_line(), f"hardware: {hw.source}", figures(hw), "",
              f"Cells: measured ms / predicted ms = measured / predicted (* outside {BAR:.0%}); the median "
              f"of REPEATS runs of STEPS steps: {', '.join(sorted(timing))}.", ""]
     lines += table(rows, shapes) + [""] + summary(rows)
-    (out / "grid.json").write_text(json.dumps({"cpu": cpu_line(), "hardware": hw.source, "rows": rows}, indent=1))
+    (out / "grid.json").write_text(json.dumps({"cpu": machine_line(), "hardware": hw.source, "rows": rows}, indent=1))
     (out / "grid.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

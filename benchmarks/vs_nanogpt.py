@@ -50,8 +50,7 @@ import yaml
 from cpu_shakespeare import NANOGPT_CPU
 
 from model import GPT, GPTConfig
-from observe.perf import cpu_model
-from parallel.precision import cpu_flags, fastest_cpu_precision
+from observe.perf import cpu_line
 from testing.local import CORPUS, REPO, SHARED
 from weights.model_file import read_model_file
 
@@ -131,7 +130,11 @@ def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: f
 
 
 def nanogpt_command(scratch: Path, steps: int, seed: int) -> tuple[list[str], Path]:
-    return [sys.executable, "train.py", *nanogpt_args(steps, seed, scratch / f"out-{seed}")], scratch
+    return [sys.executable, "train.py", *nanogpt_args(steps, seed, nanogpt_out(scratch, seed))], scratch
+
+
+def nanogpt_out(scratch: Path, seed: int) -> Path:
+    return scratch / f"out-{seed}"
 
 
 def nanogpt_result(r: Finished, scratch: Path, seed: int) -> dict:
@@ -140,7 +143,7 @@ def nanogpt_result(r: Finished, scratch: Path, seed: int) -> dict:
     ms = [float(m) for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", r.stdout, re.M)][5:]
     windows = [statistics.mean(ms[i:i + WINDOW]) for i in range(0, len(ms) - WINDOW + 1, WINDOW)]
     return {"step_ms": statistics.median(ms), "windows_ms": windows, "wall_s": r.wall_s,
-            "ckpt": scratch / f"out-{seed}" / "ckpt.pt"}
+            "tokens_per_step": BATCH * BLOCK, "ckpt": nanogpt_out(scratch, seed) / "ckpt.pt"}
 
 
 def ours_command(folder: Path, steps: int, seed: int, extra: list[str], preset: str = "",
@@ -148,10 +151,14 @@ def ours_command(folder: Path, steps: int, seed: int, extra: list[str], preset: 
     """nanoGPT's config (NANOGPT_CPU, `steps` steps) + extra; with `preset`, the preset's own
     config, steps and schedule instead (time to loss)."""
     recipe = (["--config", preset] if preset else
-              [*NANOGPT_CPU, f"trainer.max_steps={steps}", f"optimizer.lr_decay_steps={steps}", "trainer.log_every=10"])
+              [*NANOGPT_CPU, f"trainer.max_steps={steps}", f"optimizer.lr_decay_steps={steps}"])
     overrides = [*recipe, f"data.path={CORPUS}", f"trainer.seed={seed}", "trainer.hang_timeout_s=0",
-                 f"trainer.log_every={WINDOW}", f"trainer.run_dir={folder / f'{tag}-{seed}'}", *extra]
+                 f"trainer.log_every={WINDOW}", f"trainer.run_dir={our_run(folder, tag, seed)}", *extra]
     return [sys.executable, "main.py", *overrides], REPO
+
+
+def our_run(folder: Path, tag: str, seed: int) -> Path:
+    return folder / f"{tag}-{seed}"
 
 
 def ours_result(r: Finished, run: Path) -> dict:
@@ -161,7 +168,6 @@ def ours_result(r: Finished, run: Path) -> dict:
     windows = [row["step_time_ms"] for row in rows[1:] if "step_time_ms" in row]  # log_every=10: 10-step means
     notes = [line for line in r.stdout.splitlines() if line.startswith("precision:")]  # trainer.precision=auto's
     return {"step_ms": statistics.median(windows), "windows_ms": windows, "wall_s": r.wall_s,
-            "tokens_per_s": tokens_per_step(run) / statistics.median(windows) * 1000,
             "tokens_per_step": tokens_per_step(run), "model": run / "model.pt", "note": notes[0] if notes else ""}
 
 
@@ -227,31 +233,19 @@ def scratch_nanogpt(folder: Path) -> Path:
     return scratch
 
 
-CPU_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
-
-
-def cpu_line() -> str:
-    """The CPU and the flags that decide its fastest precision (parallel/precision.py)."""
-    flags = cpu_flags()
-    shown = [f for f in CPU_FLAGS_SHOWN if f in flags]
-    return (f"CPU: {cpu_model()} | flags {' '.join(shown) or '(none of ' + ' '.join(CPU_FLAGS_SHOWN) + ')'} | "
-            f"fastest precision: {fastest_cpu_precision(flags)[1]}")
-
-
 def report(results: dict, seeds: list[int], turns: float = 0.0) -> None:
     """Every run's figures, then each of our runs' ratios to nanoGPT's of the same seed."""
     nanos = results["nanoGPT"]
     for name, runs in results.items():
         for seed, r in zip(seeds, runs):
-            r.setdefault("tokens_per_s", BATCH * BLOCK / r["step_ms"] * 1000)  # nanoGPT: its batch of 12 x 64
+            r["tokens_per_s"] = r["tokens_per_step"] / r["step_ms"] * 1000
             print(f"{name:21} seed {seed}: median step {r['step_ms']:6.1f} ms = {r['tokens_per_s']:8,.0f} "
                   f"tokens/s | wall {r['wall_s']:5.0f} s | val loss (whole split, 64-token windows) {r['val']:.4f}")
     for name, runs in results.items():
         if name == "nanoGPT":
             continue
         ratios = [o["tokens_per_s"] / n["tokens_per_s"] for n, o in zip(nanos, runs)]
-        fast = [fast_tokens_per_s(o, o.get("tokens_per_step", BATCH * BLOCK)) / fast_tokens_per_s(n, BATCH * BLOCK)
-                for n, o in zip(nanos, runs)]
+        fast = [fast_tokens_per_s(o) / fast_tokens_per_s(n) for n, o in zip(nanos, runs)]
         diffs = [o["val"] - n["val"] for n, o in zip(nanos, runs)]
         walls = [o["wall_s"] / n["wall_s"] for n, o in zip(nanos, runs)]
         notes = sorted({r["note"] for r in runs if r.get("note")})
@@ -265,11 +259,11 @@ def report(results: dict, seeds: list[int], turns: float = 0.0) -> None:
               f"machine slows either side in bursts): {', '.join(f'{r:.2f}x' for r in fast)}")
 
 
-def fast_tokens_per_s(run: dict, tokens: int) -> float:
+def fast_tokens_per_s(run: dict) -> float:
     """Tokens/s of a run's 10th-percentile window: what it sustains while nothing else slows it."""
     windows = run["windows_ms"]
     fast = statistics.quantiles(windows, n=10, method="inclusive")[0] if len(windows) > 1 else windows[0]
-    return tokens / fast * 1000
+    return run["tokens_per_step"] / fast * 1000
 
 
 def main() -> None:
@@ -306,7 +300,7 @@ def main() -> None:
             nano["val"] = nanogpt_val_loss(scratch, nano["ckpt"], val_text, chars)
             results["nanoGPT"].append(nano)
             for i, (name, r) in enumerate(zip(sides, finished[1:])):
-                ours = ours_result(r, folder / f"ours{i}-{seed}")
+                ours = ours_result(r, our_run(folder, f"ours{i}", seed))
                 ours["val"] = our_val_loss(ours["model"], val_text)
                 results[name].append(ours)
     print(f"\n=== {args.steps} steps of nanoGPT's CPU config, {args.threads} threads, seeds {args.seeds}"

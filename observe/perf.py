@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from parallel.env import DTYPES
-from parallel.precision import cpu_flags
+from parallel.precision import cpu_flags, fastest_cpu_precision
 from storage.files import atomic_write_text
 
 # Dense (no sparsity) peak FLOP/s per GPU from NVIDIA's datasheets: (bf16/fp16 tensor cores, fp32
@@ -128,6 +128,20 @@ def cpu_model() -> str:
 # vendor's family ("AMD EPYC"), which covers CPUs with and without AVX-512: the key names them too,
 # so a cache filled on one never answers for another.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+# The flags a speed figure is printed beside (the benchmarks' CPU line): what decides the matmul rate
+# and the fastest precision.
+CPU_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_line() -> str:
+    """The CPU and the flags that decide its fastest precision (parallel/precision.py), one line to
+    print beside every speed figure: CPUs differ between machines."""
+    flags = cpu_flags()
+    shown = [f for f in CPU_FLAGS_SHOWN if f in flags]
+    return (f"CPU: {cpu_model()} | flags {' '.join(shown) or '(none of ' + ' '.join(CPU_FLAGS_SHOWN) + ')'} | "
+            f"fastest precision: {fastest_cpu_precision(flags)[1]}")
 
 
 def machine_fingerprint(precision: str) -> str:

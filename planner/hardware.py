@@ -122,15 +122,10 @@ def hardware_of(raw, where: str) -> Hardware:
     if not isinstance(peaks, dict) or "fp32" not in peaks:
         raise UsageError(f"--hardware file '{where}' needs peak_flops with at least fp32 (and bf16, fp16): "
                          f"FLOP/s per device")
-    links = {}
-    for key in ("intra_node", "inter_node", "all_gather_link", "reduce_scatter_link"):
-        link = raw.get(key)
-        if link is None and key not in ("intra_node", "inter_node"):  # optional: the link's own rates
-            links[key] = None
-            continue
-        if not isinstance(link, dict):
-            raise UsageError(f"--hardware file '{where}' needs {key}: {{bandwidth: bytes/s, latency: seconds}}")
-        links[key] = Link(_number(link, "bandwidth", where), _number(link, "latency", where))
+    links = {key: _link(raw, key, where) for key in ("intra_node", "inter_node")}
+    # optional: a backend's all-gather and reduce-scatter at their own rates
+    links |= {key: _link(raw, key, where) if raw.get(key) is not None else None
+              for key in ("all_gather_link", "reduce_scatter_link")}
     efficiency = _number(raw, "compute_efficiency", where)
     if efficiency > 1:
         raise UsageError(f"--hardware file '{where}': compute_efficiency {efficiency} is a fraction of the peak; give <= 1")
@@ -143,6 +138,13 @@ def hardware_of(raw, where: str) -> Hardware:
                     _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False),
                     _flag(raw, "reduce_scatter_as_all_reduce", where, False), _slowdown(raw, where),
                     links["all_gather_link"], links["reduce_scatter_link"])
+
+
+def _link(raw: dict, key: str, where: str) -> Link:
+    link = raw.get(key)
+    if not isinstance(link, dict):
+        raise UsageError(f"--hardware file '{where}' needs {key}: {{bandwidth: bytes/s, latency: seconds}}")
+    return Link(_number(link, "bandwidth", where), _number(link, "latency", where))
 
 
 def _flag(raw: dict, key: str, where: str, absent: bool) -> bool:

@@ -48,6 +48,7 @@ counts model FLOPs only (6N + 12 L h s per token, no recomputation) over every r
 from __future__ import annotations
 
 from model import GPTConfig
+from parallel.options import Engine
 from planner.hardware import Hardware, Link
 from planner.inventory import RankTensors
 from planner.records import Collective, PlannedLayout, StepTime, TimeTerm
@@ -166,7 +167,7 @@ def norm_all_reduces(lay: PlannedLayout) -> list[tuple[str, int, int]]:
     first order, not measured (the counts above are the 2-process layouts')."""
     out = []
     tp_groups = (3 if lay.sequence_parallel else 2) if lay.tp > 1 else 0
-    sharded = lay.strategy.value in ("zero-1", "zero-2", "fsdp", "zero-3") and lay.dp_shard > 1
+    sharded = lay.strategy in (Engine.ZERO1, Engine.ZERO2, Engine.ZERO3, Engine.FSDP) and lay.dp_shard > 1
     if sharded:
         out.append(("dp_shard", lay.dp_shard, max(1, tp_groups)))
     elif tp_groups:

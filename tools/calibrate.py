@@ -118,6 +118,18 @@ def measure_block(width: int, positions: int, sequences: int, repeats: int) -> f
     return min(_timed(step) for _ in range(repeats))
 
 
+def collective_call(kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    """One gloo call of `kind` on x at 2 ranks, as the engines issue it: "all-reduce" (DDP),
+    "all-gather" of x's first half into out[:x.numel()] (FSDP2, ZeRO), "all-to-all" of x into
+    out[:x.numel()] (the project's reduce-scatter on gloo, parallel/collectives.py)."""
+    if kind == "all-reduce":
+        dist.all_reduce(x)
+    elif kind == "all-gather":
+        dist.all_gather_into_tensor(out[: x.numel()], x[: x.numel() // 2])
+    else:
+        dist.all_to_all_single(out[: x.numel()], x)
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -236,11 +248,8 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
         steps, sent = (2, 1.0) if kind == "all-reduce" else (1, 0.5)
         small, large = torch.ones(SMALL), torch.ones(LARGE)
         out = torch.empty(LARGE)
-        call = {"all-reduce": dist.all_reduce,
-                "all-gather": lambda x: dist.all_gather_into_tensor(out[: x.numel()], x[: x.numel() // 2]),
-                "all-to-all": lambda x: dist.all_to_all_single(out[: x.numel()], x)}[kind]
-        latency = mean_after_work(lambda: call(small), 40) / steps
-        seconds = mean_after_work(lambda: call(large), 20)
+        latency = mean_after_work(lambda: collective_call(kind, small, out), 40) / steps
+        seconds = mean_after_work(lambda: collective_call(kind, large, out), 20)
         # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
         return latency, sent * large.numel() * large.element_size() / max(seconds - steps * latency, seconds / 2)
     (latency, bandwidth), gather, scatter = rates("all-reduce"), rates("all-gather"), rates("all-to-all")
