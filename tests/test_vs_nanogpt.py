@@ -1,0 +1,51 @@
+"""benchmarks/vs_nanogpt.py --turns: the trainings of a seed take turns on the machine (SIGSTOP /
+SIGCONT of each process group) and every one runs to its end; interrupted (Ctrl-C), none is left
+behind, stopped or running. Stand-in commands (short Python processes), not trainings."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from testing.local import REPO, child_env
+
+pytestmark = pytest.mark.launch
+
+BENCHMARKS = REPO / "benchmarks"
+
+
+def test_turns_run_every_command_to_its_end(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from vs_nanogpt import run_processes
+    said = "import sys, time; [time.sleep(0.05) for _ in range(10)]; print(sys.argv[1])"
+    commands = [([sys.executable, "-c", said, str(i)], REPO) for i in range(3)]
+    done = run_processes(commands, threads=1, turns=0.1)
+    assert [(d.returncode, d.stdout.strip()) for d in done] == [(0, "0"), (0, "1"), (0, "2")]
+    assert all(d.wall_s > 0 for d in done)
+
+
+def test_an_interrupted_run_leaves_no_process_behind(tmp_path):
+    pid_files = [tmp_path / f"child{i}.pid" for i in range(2)]
+    child = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+    runner = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: Ctrl-C raises\n"
+        f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+        "from vs_nanogpt import run_processes\n"
+        f"run_processes([([sys.executable, '-c', {child!r}, p], '.') for p in {[str(p) for p in pid_files]!r}], 1, 0.2)\n")
+    proc = subprocess.Popen([sys.executable, "-c", runner], cwd=REPO, env=child_env(), stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not all(p.is_file() and p.read_text() for p in pid_files):  # both started (and taking turns)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    for p in pid_files:
+        with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
+            os.kill(int(p.read_text()), 0)
