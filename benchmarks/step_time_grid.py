@@ -83,7 +83,8 @@ def figures(hw) -> str:
                                 ("reduce-scatter", hw.scatter_link)) if link is not None]
     return (f"figures: {hw.peak('fp32') / 1e9:.1f} GFLOP/s x efficiency {hw.compute_efficiency:.3f}, element-wise "
             f"{hw.elementwise * 1e9:.1f} ns, block {1e3 * hw.block_overhead:.2f} ms, step {1e3 * hw.step_overhead:.2f} ms, "
-            f"busy x {hw.busy_node_slowdown:.3f}; " + "; ".join(links))
+            f"busy x {hw.busy_node_slowdown:.3f}, split backward {1e3 * hw.split_backward_overhead:.2f} ms + "
+            f"{hw.split_backward_elementwise * 1e9:.1f} ns; " + "; ".join(links))
 
 
 def rows_of(shape: Shape, measured: dict, hw) -> list[dict]:

@@ -76,6 +76,13 @@ class Hardware:
     # the data-parallel engines' gathers and reduce-scatters inside a node; None: the link's
     gather_link: Link | None = None
     scatter_link: Link | None = None
+    # what torch's split backward (the zero-bubble schedules' input and weight halves: a walk of the
+    # autograd graph, then one autograd call per parameter group) costs beyond one full backward:
+    # seconds per block per micro-batch, and per activation element per block (local measures both:
+    # tools/calibrate.py split_rates; 1.2 ms a block at 64 wide x 256 tokens on a 2-core CPU, where
+    # the full backward takes about as long). Absent: 0, not priced
+    split_backward_overhead: float = 0.0
+    split_backward_elementwise: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -137,7 +144,8 @@ def hardware_of(raw, where: str) -> Hardware:
                                                                "step_overhead", "elementwise")),
                     _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False),
                     _flag(raw, "reduce_scatter_as_all_reduce", where, False), _slowdown(raw, where),
-                    links["all_gather_link"], links["reduce_scatter_link"])
+                    links["all_gather_link"], links["reduce_scatter_link"],
+                    *(_optional(raw, key, where) for key in ("split_backward_overhead", "split_backward_elementwise")))
 
 
 def _link(raw: dict, key: str, where: str) -> Link:

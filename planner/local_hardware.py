@@ -19,7 +19,8 @@ from storage.files import atomic_write_text
 UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "block_overhead": 1e-3,
                 "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0,
                 "step_overhead": 0.0, "busy_node_slowdown": 1.0, "elementwise": 0.0,
-                "gather_latency": 100e-6, "gather_bandwidth": 1e9, "scatter_latency": 100e-6, "scatter_bandwidth": 1e9}
+                "gather_latency": 100e-6, "gather_bandwidth": 1e9, "scatter_latency": 100e-6, "scatter_bandwidth": 1e9,
+                "split_backward_overhead": 0.0, "split_backward_elementwise": 0.0}
 
 
 def cache_path() -> Path:
@@ -74,6 +75,9 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             "tp_overhead": cached["tp_overhead"], "fsdp_overhead": cached["fsdp_overhead"],
             "sp_overhead": cached["sp_overhead"], "step_overhead": cached["step_overhead"],
             "busy_node_slowdown": cached["busy_node_slowdown"], "elementwise": cached["elementwise"],
+            # torch's zero-bubble split backward beyond a full one (tools/calibrate.py split_rates)
+            "split_backward_overhead": cached["split_backward_overhead"],
+            "split_backward_elementwise": cached["split_backward_elementwise"],
             # gloo's all-gather and all-to-all (the engines' reduce-scatter) at their own rates
             "all_gather_link": {"bandwidth": cached["gather_bandwidth"], "latency": cached["gather_latency"]},
             "reduce_scatter_link": {"bandwidth": cached["scatter_bandwidth"], "latency": cached["scatter_latency"]},

@@ -3,7 +3,7 @@
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
     compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
-                 + step_overhead) x busy   forward + backward (2x forward)
+                 + step_overhead + split) x busy   forward + backward (2x forward)
     w         = h (h / t with sequence parallelism, h (1 + 1/t) / 2 with plain tp): the activation
                 elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
     busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
@@ -11,6 +11,8 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
                 (+ fsdp_overhead under FSDP2)     fixed host work
     recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M) / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
+    split     = blocks x (split_backward_overhead x M + T x w x split_backward_elementwise)   zero-bubble
+                schedules only: torch's input and weight halves of a backward cost more than one full backward
     bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (planner/schedule.py)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
@@ -185,10 +187,23 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
     elementwise = tokens * held.blocks * activation_width(g, lay) * hw.elementwise
-    compute = tokens * 3 * fwd / rate + elementwise + overhead + hw.step_overhead
+    compute = tokens * 3 * fwd / rate + elementwise + overhead + hw.step_overhead + split_backward(g, lay, held, hw)
     recompute = tokens * fwd_blocks / rate + (elementwise + overhead) / 3 if lay.activation_checkpointing else 0.0
     busy = hw.busy_node_slowdown if lay.world > 1 else 1.0  # every device of the node computes
     return compute * busy, recompute * busy
+
+
+def split_backward(g: GPTConfig, lay: PlannedLayout, held: RankTensors, hw: Hardware) -> float:
+    """Seconds a zero-bubble schedule's split backward adds to one pp rank's step: torch runs each
+    stage's backward as an input half and a weight half (a walk of the autograd graph for the
+    parameter groups, then one autograd call per group), which cost more than one full backward:
+    split_backward_overhead per block per micro-batch + split_backward_elementwise per activation
+    element per block (measured: tools/calibrate.py split_rates). 0 for the other schedules."""
+    if lay.pp == 1 or lay.pp_schedule != "zero_bubble":
+        return 0.0
+    tokens = lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp
+    return held.blocks * (hw.split_backward_overhead * lay.microbatches
+                          + tokens * activation_width(g, lay) * hw.split_backward_elementwise)
 
 
 def activation_width(g: GPTConfig, lay: PlannedLayout) -> float:
@@ -226,6 +241,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
                       f"{f' + {hw.elementwise * 1e9:.3g} ns x tokens x blocks x width' if hw.elementwise else ''}"
                       f" + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
                       f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
+                      f"{' + the split backward (zero-bubble)' if split_backward(g, lay, held[slow], hw) else ''}"
                       f"{f', x {hw.busy_node_slowdown:.3g} on a busy node' if hw.busy_node_slowdown > 1 and world > 1 else ''}")]
     if lay.activation_checkpointing:
         terms.append(TimeTerm("recompute", compute[slow][1], compute[slow][1], "one more forward of every block"))

@@ -113,6 +113,12 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
      "needs bandwidth: a positive number"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nelementwise: -1\n", "needs elementwise: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nsplit_backward_overhead: -1\n",
+     "needs split_backward_overhead: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nsplit_backward_elementwise: slow\n",
+     "needs split_backward_elementwise: a positive number"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -141,6 +147,9 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert first.busy_node_slowdown >= 1  # a block while the other core computes too, over alone (floored at 1)
     assert second.step_overhead == first.step_overhead and second.busy_node_slowdown == first.busy_node_slowdown
     assert first.elementwise >= 0 and second.elementwise == first.elementwise  # 0: a noisy pair fell back
+    # torch's split backward (zero-bubble) beyond a full one: a fixed part and one per element
+    assert first.split_backward_overhead + first.split_backward_elementwise > 0
+    assert second.split_backward_overhead == first.split_backward_overhead
 
 
 def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):
@@ -405,6 +414,48 @@ def test_calibration_separates_matmul_efficiency_from_elementwise_work(monkeypat
     monkeypatch.setattr(calibrate, "measure_block", timed(0.8, -1e-9))
     efficiency, elementwise = calibrate.compute_rates(overhead)
     assert elementwise == 0 and 0 < efficiency <= 1
+
+
+@pytest.mark.parametrize("overrides, stage_blocks", [
+    (("parallel.pp_schedule=zero_bubble",), 2), (("parallel.pp_schedule=zero_bubble", "parallel.pp_stages_per_rank=2"), 2),
+    (("parallel.pp_schedule=1f1b",), 0), (("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"), 0)])
+def test_zero_bubble_prices_torchs_split_backward(tmp_path, overrides, stage_blocks):
+    """The zero-bubble schedules run each backward as torch's input and weight halves, which cost
+    more than one full backward (measured below): split_backward_overhead per block per micro-batch
+    + split_backward_elementwise per activation element per block are added to each pp rank's
+    compute (TINY: 4 blocks of 32, batch 8 x block 16, 2 ranks of 2 blocks, M = 4); the other
+    schedules, and descriptions without the figures (every GPU file), are unchanged."""
+    base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False)
+    priced = dataclasses.replace(base, split_backward_overhead=1e-3, split_backward_elementwise=1e-9)
+
+    def compute(hw):
+        cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0",
+                                        "parallel.strategy=none", "parallel.pp=2", "parallel.microbatches=4", *overrides])
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+        return next(t.seconds for t in lp.time.terms if t.name == "compute")
+    assert compute(priced) - compute(base) == pytest.approx(stage_blocks * (4 * 1e-3 + 8 * 16 * 32 * 1e-9))
+
+
+def test_split_backward_costs_more_than_a_full_one():
+    """The premise of the term above, measured: torch's split backward (stage_backward_input, then
+    stage_backward_weight) of a 2-block 64-wide stage takes longer than one full backward (here it
+    takes about twice as long; > 0 is what the price needs)."""
+    from tools import calibrate
+    assert calibrate.measure_split(64, 64, 4) > 0
+
+
+def test_calibration_separates_the_split_backwards_fixed_and_per_element_cost(monkeypatch):
+    """split_rates solves the two stages' extra for a fixed cost per block and one per activation
+    element: stages timed as 0.5 ms + 25 ns per element give them back; a pair that gives a
+    negative per-element cost keeps the mean as the fixed cost alone."""
+    from tools import calibrate
+
+    def timed(fixed, per_element):
+        return lambda width, positions, sequences: fixed + width * positions * sequences * per_element
+    monkeypatch.setattr(calibrate, "measure_split", timed(5e-4, 25e-9))
+    assert calibrate.split_rates() == pytest.approx((5e-4, 25e-9))
+    monkeypatch.setattr(calibrate, "measure_split", lambda w, s, b: 2e-3 if w == 64 else 1e-3)
+    assert calibrate.split_rates() == pytest.approx((1.5e-3, 0.0))
 
 
 def test_gloos_gathers_and_scatters_run_at_their_own_rates(tmp_path):

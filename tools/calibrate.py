@@ -23,6 +23,13 @@
   benchmarks/step_time_grid.py measured up to 1.6x the prediction at width 64;
 - step overhead: a whole training step of that tiny GPT (forward, loss, backward, the clip, fused
   AdamW, zero_grad) less its blocks' fixed cost: the work every step pays outside the blocks;
+- split backward: torch's zero-bubble schedules split each stage's backward into an input half
+  and a weight half (torch.distributed.pipelining's stage_backward_input and
+  stage_backward_weight: a walk of the autograd graph for the parameter groups, then one
+  autograd call per group); the two halves cost more than one full backward, measured on a
+  2-block stage at two sizes (split_rates): a fixed cost per block per micro-batch and one per
+  activation element (16 parameter groups and 1.2 ms a block at 64 wide x 4 x 64 tokens, 3.7 ms at
+  256 wide x 4 x 128 here, on backwards of 1.2 and 22 ms a block);
 - busy-node slowdown: a block's forward + backward while both calibration processes compute, over
   the same alone (the cores share the memory system: 1.016 calibrated on the 2-core machine, 1.02-1.03
   by hand on 256-wide blocks).
@@ -49,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model import GPT, Block, GPTConfig, lm_loss
@@ -59,6 +67,8 @@ from tools.processes import child_env, multiprocess_lock
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 NARROW_WIDTH = 64  # the second block (same positions and sequences) that separates the element-wise work
+SPLIT_STAGES = ((64, 64, 4), (256, 128, 4))  # width, positions, sequences of the stages timed by split_rates
+SPLIT_BLOCKS = 2  # blocks in each of those stages
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
 
 
@@ -69,8 +79,10 @@ def measure_local() -> dict:
     # the step's fixed cost outside the blocks (embedding, head and loss, clip, the optimizer's
     # per-tensor work, zero_grad): the tiny GPT's whole step less its blocks' fixed cost
     step_overhead = max(0.0, figures.pop("plain_step") - ENGINE_MODEL[0] * overhead)
+    split_overhead, split_elementwise = split_rates()
     return {**figures, "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": overhead,
-            "compute_efficiency": efficiency, "step_overhead": step_overhead, "elementwise": elementwise}
+            "compute_efficiency": efficiency, "step_overhead": step_overhead, "elementwise": elementwise,
+            "split_backward_overhead": split_overhead, "split_backward_elementwise": split_elementwise}
 
 
 def compute_rates(overhead: float) -> tuple[float, float]:
@@ -97,6 +109,43 @@ def compute_rates(overhead: float) -> tuple[float, float]:
     if c <= 0 or x < 1:
         return min(1.0, a1 / t1), 0.0
     return 1 / x, c
+
+
+def split_rates() -> tuple[float, float]:
+    """(seconds per block per micro-batch, seconds per activation element per block) that torch's
+    split backward (the zero-bubble schedules' input and weight halves) costs beyond one full
+    backward: `measure_split` on SPLIT_STAGES, each extra = fixed + tokens x width x per_element, two
+    equations in two unknowns. A noisy pair that gives a negative part keeps the other alone."""
+    (n1, e1), (n2, e2) = ((b * s * w, measure_split(w, s, b)) for w, s, b in SPLIT_STAGES)
+    per_element = (e2 - e1) / (n2 - n1)
+    if per_element <= 0:
+        return max(0.0, (e1 + e2) / 2), 0.0
+    fixed = e1 - n1 * per_element
+    return (fixed, per_element) if fixed > 0 else (0.0, e2 / n2)
+
+
+def measure_split(width: int, positions: int, sequences: int, rounds: int = 9) -> float:
+    """Seconds per block of a SPLIT_BLOCKS-block stage's split backward (stage_backward_input, then
+    stage_backward_weight, as torch's zero-bubble schedules run them) beyond its full backward: the
+    median over interleaved rounds of each (never below 0)."""
+    cfg = GPTConfig(block_size=positions, n_embd=width, n_head=4, dropout=0.0)
+    stage = torch.nn.Sequential(*[Block(cfg) for _ in range(SPLIT_BLOCKS)])
+    grad = torch.randn(sequences, positions, width)
+
+    def backward(split: bool) -> float:
+        x = torch.randn(sequences, positions, width, requires_grad=True)
+        out = stage(x)
+        t0 = time.perf_counter()
+        if split:
+            _, groups = stage_backward_input([out], [grad], [x], stage.parameters())
+            stage_backward_weight(stage.parameters(), groups)
+        else:
+            torch.autograd.backward(out, grad)
+        return time.perf_counter() - t0
+    for _ in range(2):  # warm-up
+        backward(False), backward(True)
+    extra = sorted(backward(True) - backward(False) for _ in range(rounds))
+    return max(0.0, extra[rounds // 2] / SPLIT_BLOCKS)
 
 
 def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float:
