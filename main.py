@@ -65,7 +65,7 @@ from launch.errors import (
     reject_dashed_overrides,
 )
 from observe.host_memory import return_large_frees
-from planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, render
+from planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, refuse_unpriced, render
 from tools.calibrate import measure_local
 from tools.dry_run import dry_run_command
 
@@ -106,17 +106,6 @@ def parse_args(argv):
             raise UsageError(hint)
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
-
-
-def refuse_unpriced(cfg, flag: str) -> None:
-    """The planner and the dry run price one precision (auto is only chosen at launch, on the
-    device) and the fused attention kernel (matmul attention's T x T probabilities are not modelled)."""
-    if cfg.trainer.precision == "auto":
-        raise UsageError(f"{flag} prices one precision and trainer.precision=auto is chosen at launch from the "
-                         f"device; set trainer.precision=bf16 or fp32 (what the launch's start-up line names)")
-    if cfg.trainer.attention != "sdpa":
-        raise UsageError(f"{flag} prices torch's fused attention and trainer.attention={cfg.trainer.attention} holds "
-                         f"every head's T x T probabilities, which it does not model; set trainer.attention=sdpa")
 
 
 def print_plan(args) -> int:

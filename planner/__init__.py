@@ -27,7 +27,7 @@ Where each part lives (docs/planner.md has the formulas and their measurement):
 from __future__ import annotations
 
 from planner.advice import fit_advice
-from planner.alternatives import DataParallelChoice, check_layout, plan
+from planner.alternatives import DataParallelChoice, check_layout, plan, refuse_unpriced
 from planner.hardware import Hardware, load_hardware
 from planner.inventory import gpt_config, parameter_inventory, vocab_size
 from planner.layout_plan import plan_layout
@@ -38,4 +38,4 @@ from planner.units import default_reserve, fmt_bytes, numel, parse_bytes
 
 __all__ = ["Collective", "DataParallelChoice", "Hardware", "LayoutPlan", "Plan", "PlannedLayout", "RankMemory",
            "StepTime", "check_layout", "default_reserve", "fit_advice", "fmt_bytes", "gpt_config", "inflight_per_stage",
-           "load_hardware", "numel", "parameter_inventory", "parse_bytes", "plan", "plan_layout", "render", "vocab_size"]
+           "load_hardware", "numel", "parameter_inventory", "parse_bytes", "plan", "plan_layout", "refuse_unpriced", "render", "vocab_size"]

@@ -229,3 +229,16 @@ def cp_degrees(cfg: Config, world: int) -> list[int]:
     advice): 2, 4, 8 where the world size and the block (2 cp chunks) split and dropout is 0."""
     m = cfg.model
     return [c for c in (2, 4, 8) if world % c == 0 and m.block_size % (2 * c) == 0 and m.dropout == 0]
+
+
+def refuse_unpriced(cfg: Config, flag: str) -> None:
+    """UsageError where the planner and the dry run cannot price the config: they price one precision
+    (auto is only chosen at launch, on the device) and the fused attention kernel (matmul attention's
+    T x T probabilities are not modelled). Called by what compares a plan with a run or a dry run
+    (main.py's --plan and --dry-run, benchmarks/strategy_report.py), before anything runs."""
+    if cfg.trainer.precision == "auto":
+        raise UsageError(f"{flag} prices one precision and trainer.precision=auto is chosen at launch from the "
+                         f"device; set trainer.precision=bf16 or fp32 (what the launch's start-up line names)")
+    if cfg.trainer.attention != "sdpa":
+        raise UsageError(f"{flag} prices torch's fused attention and trainer.attention={cfg.trainer.attention} holds "
+                         f"every head's T x T probabilities, which it does not model; set trainer.attention=sdpa")

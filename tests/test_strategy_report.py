@@ -109,3 +109,14 @@ def test_report_refuses_bad_flags_with_one_line(tmp_path):
                 "--layouts", "ddp dp3"], timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: unknown layout") and r.stderr.count("\n") == 1
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("override, says", [("trainer.attention=matmul", "trainer.attention=matmul holds"),
+                                            ("trainer.precision=auto", "trainer.precision=auto is chosen at launch")])
+def test_report_refuses_what_the_planner_cannot_price(tmp_path, override, says):
+    """The report compares runs with the plan: a setting the plan does not model (matmul attention's
+    T x T probabilities, a precision chosen at launch) is refused in one line before any process
+    starts, as --plan refuses it, instead of a table of wrong predictions."""
+    r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(tmp_path / "x"), override], timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: strategy_report.py prices") and says in r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
