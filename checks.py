@@ -13,6 +13,7 @@ from typing import Callable
 
 from config import (
     ATTENTION_KERNELS,
+    COMPILE_SCOPES,
     CP_MODES,
     PP_SCHEDULES,
     PRECISIONS,
@@ -107,6 +108,7 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _choice("trainer.resume", t.resume, ("auto", "never", "require"))
     _choice("trainer.precision", t.precision, TRAINER_PRECISIONS)
     _choice("trainer.attention", t.attention, ATTENTION_KERNELS)
+    _choice("trainer.compile_scope", t.compile_scope, COMPILE_SCOPES)
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     profile_window(t.profile)
     if not t.run_dir:

@@ -36,6 +36,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # trainer.precision also takes auto: the fastest the device has, chosen at launch (parallel/precision.py)
 TRAINER_PRECISIONS = (*PRECISIONS, "auto")
 ATTENTION_KERNELS = ("sdpa", "matmul")  # trainer.attention: model.py causal_attention, matmul_attention
+COMPILE_SCOPES = ("blocks", "model")  # trainer.compile_scope: parallel/parallelize.py step 4
 # the values of parallel.cp_mode: how the cp ranks of one sequence see each other's keys and values
 CP_MODES = ("ring", "allgather")
 
@@ -107,6 +108,7 @@ class TrainerConfig:
     seed: int = 1337
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto
     compile: bool = False
+    compile_scope: str = "blocks"  # blocks | model (COMPILE_SCOPES): what trainer.compile compiles as one graph
     attention: str = "sdpa"  # sdpa | matmul (ATTENTION_KERNELS)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     device: str = "auto"  # auto | cpu | cuda

@@ -181,10 +181,7 @@ class GPT(nn.Module):
         sequence (context parallelism: parallel/cp.py sets `context_parallel_positions`, which
         gives them); by default 0..T-1."""
         if self.tok_emb is not None:
-            if positions is None:
-                cp = self.context_parallel_positions
-                positions = torch.arange(x.size(1), device=x.device) if cp is None else cp(x.size(1), x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
+            x = self.embed(x, positions)
         for block in self.blocks.values():
             x = block(x)
         if self.ln_f is not None:
@@ -192,6 +189,15 @@ class GPT(nn.Module):
         if self.lm_head is not None:
             x = self.lm_head(x)
         return x
+
+    def embed(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Token ids (B, T) -> the embedded tokens at their positions (B, T, C). A method of its own so
+        that a model compiled whole (trainer.compile_scope=model) keeps it eager: parallel/parallelize.py
+        wraps it in torch.compiler.disable there."""
+        if positions is None:
+            cp = self.context_parallel_positions
+            positions = torch.arange(x.size(1), device=x.device) if cp is None else cp(x.size(1), x.device)
+        return self.drop(self.tok_emb(x) + self.pos_emb(positions))
 
     # ------------------------------------------------------------------ accounting
 

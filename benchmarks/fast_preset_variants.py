@@ -1,4 +1,4 @@
-"""What presets/cpu_fast.yaml's settings each buy, in one process: the precision, compiled blocks and
+"""What presets/cpu_fast.yaml's settings each buy, in one process: the precision, what is compiled and
 the attention kernel, as whole Trainer steps timed in interleaved rounds.
 
     python benchmarks/fast_preset_variants.py              # 2 threads, 6 rounds of 15 steps
@@ -39,14 +39,17 @@ from parallel.env import init_distributed
 from testing.local import CORPUS, REPO
 
 PRESET = REPO / "presets" / "cpu_fast.yaml"
+B, M = "trainer.compile_scope=blocks", "trainer.compile_scope=model"
 VARIANTS = {  # name: overrides of the preset
-    "fp32, eager, sdpa (nanoGPT's)": ["trainer.precision=fp32", "trainer.compile=false", "trainer.attention=sdpa"],
-    "fp32, compiled blocks, sdpa": ["trainer.precision=fp32", "trainer.attention=sdpa"],
-    "fp32, compiled blocks, matmul": ["trainer.precision=fp32"],
-    "bf16, eager, sdpa": ["trainer.precision=bf16", "trainer.compile=false", "trainer.attention=sdpa"],
-    "bf16, compiled blocks, sdpa": ["trainer.precision=bf16", "trainer.attention=sdpa"],
-    "bf16, eager, matmul": ["trainer.precision=bf16", "trainer.compile=false"],
-    "bf16, compiled blocks, matmul (the preset)": ["trainer.precision=bf16"],
+    "fp32, eager, sdpa (nanoGPT's)": ["trainer.precision=fp32", "trainer.compile=false", B, "trainer.attention=sdpa"],
+    "fp32, compiled blocks, sdpa": ["trainer.precision=fp32", B, "trainer.attention=sdpa"],
+    "fp32, compiled blocks, matmul": ["trainer.precision=fp32", B],
+    "fp32, compiled model, matmul": ["trainer.precision=fp32", M],
+    "bf16, eager, sdpa": ["trainer.precision=bf16", "trainer.compile=false", B, "trainer.attention=sdpa"],
+    "bf16, compiled blocks, sdpa": ["trainer.precision=bf16", B, "trainer.attention=sdpa"],
+    "bf16, eager, matmul": ["trainer.precision=bf16", "trainer.compile=false", B],
+    "bf16, compiled blocks, matmul": ["trainer.precision=bf16", B],
+    "bf16, compiled model, matmul (the preset)": ["trainer.precision=bf16", M],
 }
 
 

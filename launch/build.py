@@ -119,8 +119,11 @@ def assemble(cfg: Config, data: TokenDataset, tok, strategy: Strategy, run_dir: 
     data.check_batch(cfg.trainer.batch_size)
     set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
     peak = Peak(strategy.device, strategy.compute_precision, cfg.trainer.peak_flops, strategy.is_tracker)
-    gpu_clock = GpuBlockClock([b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]) \
-        if strategy.device.type == "cuda" else None  # a GPU's own time: guards/stragglers.py
+    # a GPU's own time: guards/stragglers.py; a model compiled whole has no block to time (its
+    # hooks would break the graph at every block), and runs in one process, where no rank straggles
+    timed = [] if cfg.trainer.compile and cfg.trainer.compile_scope == "model" else \
+        [b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]
+    gpu_clock = GpuBlockClock(timed) if strategy.device.type == "cuda" else None
     guards = Guards(
         stop_request=StopRequest(),
         watchdog=HangWatchdog(cfg.trainer.hang_timeout_s, env.rank, env.world_size, env.local_rank,

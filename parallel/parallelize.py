@@ -4,7 +4,7 @@
     2. tensor parallel  mesh["tp"]  Megatron column/row split of every block (parallel/tp.py)
        context parallel mesh["cp"]  every block's attention over the cp ranks' ring (parallel/cp.py)
     3. activation checkpointing     every block recomputes its activations in backward
-    4. compile                      torch.compile of each block, in place
+    4. compile                      torch.compile of each block, in place (or of the whole model, one process)
     5. data parallel    mesh["dp"]  the strategy's engine: DDP, FSDP2, ZeRO, nn.DataParallel
        (and the weights: the model is built on the meta device; parallel/materialize.py allocates
        this rank's share and fills it, after FSDP2 shards it or before another engine wraps it)
@@ -68,11 +68,20 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
         for block in part.blocks.values():
             block.activation_checkpointing = p.activation_checkpointing
             block.attn.kernel = cfg.trainer.attention
-    # 4. compile: each block in place (the stage the schedule runs stays the DDP/FSDP module)
+    # 4. compile: each block in place (the stage the schedule runs stays the DDP/FSDP module), or
+    # with compile_scope=model (one process, no engine: parallel/options.py) the whole model in
+    # place, its embeddings eager (GPT.embed): one graph over the blocks, final LayerNorm and head
+    # saves each block's compiled-call overhead (nanoGPT's CPU model: benchmarks/fast_preset_variants.py)
     if cfg.trainer.compile:
         for part in stages.values():
-            for block in part.blocks.values():
-                block.compile()
+            if cfg.trainer.compile_scope == "model":
+                # the embeddings stay eager (as in per-block compile, for the reason above): the graph
+                # starts after them, one graph break at the model's first line
+                part.embed = torch.compiler.disable(part.embed)
+                part.compile()
+            else:
+                for block in part.blocks.values():
+                    block.compile()
     # 5. data parallel, per stage: a sharding engine wraps the meta model and only this rank's
     # shards are allocated; an engine that holds a whole replica wraps it allocated
     parts, device = list(stages.values()), init_device or env.device

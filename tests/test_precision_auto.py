@@ -77,7 +77,7 @@ def test_the_fast_preset_keeps_nanogpts_cpu_recipe_at_the_fastest_precision():
     assert (o.name, o.lr, o.min_lr, o.warmup_steps, o.weight_decay, o.beta1, o.beta2) == (
         "adamw", 1e-3, 1e-4, 100, 0.1, 0.9, 0.99)
     assert o.lr_decay_steps in (0, 2000) and cfg.parallel.strategy == "none"
-    assert (t.compile, t.attention) == (True, "matmul")
+    assert (t.compile, t.compile_scope, t.attention) == (True, "model", "matmul")
 
 
 def test_a_trainer_built_with_matmul_attention_trains_as_with_the_fused_kernel(tmp_path):
