@@ -242,13 +242,16 @@ def check_fp16(c: Check) -> Result:
 
 
 def check_matmul_attention(c: Check) -> Result:
-    """trainer.attention=matmul (plain-op attention, model.py) beside the fused kernel, bf16, 40 steps:
-    the same training within bf16's rounding (every logged loss within 2%), never run on a GPU before."""
+    """trainer.attention=matmul (plain-op attention, model.py) with the model compiled as one graph
+    (trainer.compile_scope=model), as presets/cpu_fast.yaml runs, beside the fused kernel eager, bf16,
+    40 steps: the same training within bf16's rounding (every logged loss within 2%)."""
     losses = {}
+    whole = ("parallel.strategy=none", "trainer.compile=true", "trainer.compile_scope=model")
     for kernel in ("sdpa", "matmul"):
         run = c.run_dir(f"attention-{kernel}")
         r = c.main(f"attention-{kernel}", f"trainer.run_dir={run}", "trainer.precision=bf16", "trainer.max_steps=40",
-                   "trainer.log_every=10", "trainer.eval_every=40", f"trainer.attention={kernel}")
+                   "trainer.log_every=10", "trainer.eval_every=40", f"trainer.attention={kernel}",
+                   *(whole if kernel == "matmul" else ()))
         if r.returncode != 0:
             return Result("matmul-attention", "FAIL", f"{kernel}: exit {r.returncode}: {tail(r, 2)}")
         losses[kernel] = [row["loss"] for row in rows(run) if "loss" in row]
