@@ -80,6 +80,9 @@ def layout_config(cfg: Config, choice: DataParallelChoice, tp: int, pp: int) -> 
     new = copy.deepcopy(cfg)
     _apply_choice(new.parallel, choice, cfg.parallel.strategy)
     _apply_model_split(new.parallel, tp, pp, cfg.parallel.pp)
+    p = new.parallel
+    if (p.strategy, p.tp, p.pp, p.cp, p.activation_checkpointing) != ("none", 1, 1, 1, False):
+        new.trainer.compile_scope = "blocks"  # one graph of the whole model is one process's, no engine's
     return new
 
 

@@ -79,8 +79,8 @@ class Hardware:
     # what torch's split backward (the zero-bubble schedules' input and weight halves: a walk of the
     # autograd graph, then one autograd call per parameter group) costs beyond one full backward:
     # seconds per block per micro-batch, and per activation element per block (local measures both:
-    # tools/calibrate.py split_rates; 1.2 ms a block at 64 wide x 256 tokens on a 2-core CPU, where
-    # the full backward takes about as long). Absent: 0, not priced
+    # tools/calibrate.py split_rates; about 0.9 ms a block at 64 wide x 256 tokens on a 2-core CPU,
+    # where the full backward takes 1.2 ms). Absent: 0, not priced
     split_backward_overhead: float = 0.0
     split_backward_elementwise: float = 0.0
 
@@ -173,5 +173,5 @@ def _slowdown(raw: dict, where: str) -> float:
 
 
 def _optional(raw: dict, key: str, where: str) -> float:
-    """An optional fixed cost in seconds: absent is 0 (a GPU's host work overlaps its kernels)."""
+    """An optional cost in seconds (fixed, or per element): absent is 0 (a GPU's host work overlaps its kernels)."""
     return _number(raw, key, where) if raw.get(key) else 0.0

@@ -278,3 +278,14 @@ def test_a_bad_deterministic_value_is_one_line_and_exit_2(tmp_path, capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_a_gpu_clock_that_times_no_block_leaves_the_figure_out():
+    """A model compiled as one graph (trainer.compile_scope=model) or nn.DataParallel's compiled
+    wrapper is not hooked per block (the hooks would break the graph): one process, whose row then
+    has no compute_ms_* (a 0 would read as a measurement)."""
+    from guards.stragglers import GpuBlockClock, StragglerWatch
+    watch = StragglerWatch(0, 1, 0, False, announce=False, gpu_clock=GpuBlockClock([], event=_FakeEvent))
+    with watch.timed():
+        pass
+    assert watch.row(step=1) == {}

@@ -323,3 +323,16 @@ def test_when_no_layout_fits_the_plan_tries_context_parallelism(capsys):
     assert "parallel.cp=2 trainer.micro_batch_size=1: still nothing fits" in advice
     assert "parallel.cp=4 trainer.micro_batch_size=1: 3 layouts fit, e.g. ddp dp1 x cp4 ring (mb 1 x 4)" in advice
     assert "parallel.cp=8" not in advice  # 4 ranks cannot hold 8 cp ranks
+
+
+def test_a_config_compiled_as_one_graph_still_gets_every_alternative(tmp_path):
+    """trainer.compile_scope=model belongs to one process without an engine: the plan's alternatives
+    (an engine, tp, pp) compile their blocks instead of being refused for it, so a user with the
+    fast preset's setting still sees what 2 ranks could run."""
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "parallel.strategy=none", "trainer.compile=true",
+                                    "trainer.compile_scope=model"])
+    plan = planner.plan(cfg, 2)
+    names = {lp.name for lp in plan.layouts}
+    assert {"ddp dp2", "dp1 x pp2 1f1b"} <= names, (names, plan.refused)
+    assert not any("compile_scope" in why for why in plan.refused.values()), plan.refused
+    assert "compile_scope" not in planner.plan(cfg, 1).configured_error

@@ -28,8 +28,8 @@
   stage_backward_weight: a walk of the autograd graph for the parameter groups, then one
   autograd call per group); the two halves cost more than one full backward, measured on a
   2-block stage at two sizes (split_rates): a fixed cost per block per micro-batch and one per
-  activation element (16 parameter groups and 1.2 ms a block at 64 wide x 4 x 64 tokens, 3.7 ms at
-  256 wide x 4 x 128 here, on backwards of 1.2 and 22 ms a block);
+  activation element (0.45-0.62 ms + 18-26 ns here: about 0.9 ms a block at 64 wide x 4 x 64 tokens,
+  3.1 ms at 256 wide x 4 x 128, on full backwards of 1.2 and 22 ms a block);
 - busy-node slowdown: a block's forward + backward while both calibration processes compute, over
   the same alone (the cores share the memory system: 1.016 calibrated on the 2-core machine, 1.02-1.03
   by hand on 256-wide blocks).
