@@ -136,8 +136,10 @@ def launch_and_kill(run_dir: Path, kills: int, env: dict, after: str, max_restar
         job.wait_for(lambda: any(after in line for line in job.lines))
         seen = next((i for i, line in enumerate(job.lines) if after in line), len(job.lines))
         for k in range(kills):
-            # wait until this attempt trains (a progress line after the last start-up line)
-            job.wait_for(lambda: any(l.startswith("step ") for l in job.lines[seen:]))
+            # wait until this attempt trains: a progress line after its own start-up line ("run: ...");
+            # a line of the attempt just killed can still arrive after the kill, and a kill timed from
+            # it would land in the next attempt's start-up
+            job.wait_for(lambda: attempt_trains(job.lines, seen))
             time.sleep(rnd.uniform(0.0, 1.5))  # a random moment: mid-step, mid-save, mid-eval
             pids = worker_pids(job.proc.pid)
             if job.proc.poll() is not None or not pids:
@@ -151,6 +153,13 @@ def launch_and_kill(run_dir: Path, kills: int, env: dict, after: str, max_restar
             seen = len(job.lines)
         rc = job.proc.wait(timeout=300)
     return rc, job.output()
+
+
+def attempt_trains(lines: list[str], start: int) -> bool:
+    """Has the attempt whose start-up line ("run: ...") is the first at or after `start` printed a
+    progress line since?"""
+    began = next((i for i in range(start, len(lines)) if lines[i].startswith("run: ")), None)
+    return began is not None and any(line.startswith("step ") for line in lines[began + 1:])
 
 
 @pytest.mark.launch
