@@ -534,8 +534,9 @@ def main() -> None:
     if args.steps < 1 or args.repeats < 1:
         ap.exit(2, "error: --steps and --repeats must be >= 1\n")
     try:
-        planner.refuse_unpriced(config(args.overrides, Path("unused")), "strategy_report.py")
-        model = planner.plan(config(args.overrides, Path("unused")), 1).model
+        user = config(args.overrides, Path("unused"))
+        planner.refuse_unpriced(user, "strategy_report.py")
+        model = planner.plan(user, 1).model
     except UsageError as e:
         ap.exit(2, f"error: {e}\n")
     wanted = layouts(args.nproc)

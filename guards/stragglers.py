@@ -70,7 +70,7 @@ class GpuBlockClock:
 
     def __init__(self, blocks: list[torch.nn.Module], event=None):
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
-        self.blocks = len(blocks)  # 0: nothing timed (a model compiled as one graph: launch/build.py)
+        self.timed_blocks = len(blocks)  # 0: nothing timed (a model compiled as one graph: launch/build.py)
         self._pairs: list[tuple] = []
         self._open: dict[int, object] = {}
         for block in blocks:  # registered after the data-parallel engine's own hooks: they run first
@@ -123,7 +123,7 @@ class StragglerWatch:
     def row(self, step: int) -> dict:
         """Collective. The spread of per-step compute time over ranks in this log window; nothing
         where a one-process GPU run's clock times no block (no figure beats a 0)."""
-        if self.gpu_clock is not None and not self.gpu_clock.blocks and not self.distributed:
+        if self.gpu_clock is not None and not self.gpu_clock.timed_blocks and not self.distributed:
             return {}
         ns = self.gpu_clock.read_ms() * 1e6 if self.gpu_clock is not None else self._ns
         mine = ns / max(1, self._steps) / 1e6

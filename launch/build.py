@@ -119,11 +119,11 @@ def assemble(cfg: Config, data: TokenDataset, tok, strategy: Strategy, run_dir: 
     data.check_batch(cfg.trainer.batch_size)
     set_fp32_matmul_mode(strategy.device)  # before the peak: it assumes this mode
     peak = Peak(strategy.device, strategy.compute_precision, cfg.trainer.peak_flops, strategy.is_tracker)
-    # a GPU's own time (guards/stragglers.py), per block; none where the blocks run inside one
-    # compiled graph, whose block hooks would break it at every block (trainer.compile_scope=model,
-    # nn.DataParallel's compiled wrapper: parallel/dp.py): one process, where no rank straggles
-    whole_graph = cfg.trainer.compile and (cfg.trainer.compile_scope == "model" or cfg.parallel.strategy == "dp")
-    timed = [] if whole_graph else [b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]
+    # a GPU's own time (guards/stragglers.py), per block: the blocks that run eager or as their own
+    # compiled graph; not one inside a larger compiled graph, which its hooks would break at every
+    # block (trainer.compile_scope=model, nn.DataParallel's compiled wrapper: one process, no straggler)
+    blocks = [b for part in strategy.unwrapped() for b in getattr(part, "blocks", {}).values()]
+    timed = [b for b in blocks if not cfg.trainer.compile or b._compiled_call_impl is not None]
     gpu_clock = GpuBlockClock(timed) if strategy.device.type == "cuda" else None
     guards = Guards(
         stop_request=StopRequest(),

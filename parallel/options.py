@@ -94,19 +94,24 @@ def problems(cfg: Config, world_size: int | None = None) -> Iterator[str]:
     yield from _compile_scope_problems(cfg)
 
 
+def per_block_settings(p: ParallelConfig) -> str:
+    """The parallel settings that work on single blocks, so that a whole-model graph
+    (trainer.compile_scope=model) cannot hold them: an engine, tp/pp/cp, recomputation ("" = none)."""
+    return ", ".join([f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp") if getattr(p, k) > 1]
+                     + ([f"parallel.strategy={p.strategy}"] if p.strategy != "none" else [])
+                     + (["parallel.activation_checkpointing=true"] if p.activation_checkpointing else []))
+
+
 def _compile_scope_problems(cfg: Config) -> Iterator[str]:
     """trainer.compile_scope=model: one graph over the blocks and the head, for one process with no
     engine: the engines' hooks (DDP's buckets, FSDP2's gathers), the pipeline and tensor/context
     splits and per-block recomputation all work on single blocks (parallel/parallelize.py step 4)."""
-    t, p = cfg.trainer, cfg.parallel
+    t = cfg.trainer
     if t.compile_scope != "model":
         return
     if not t.compile:
         yield "trainer.compile_scope=model compiles nothing without trainer.compile=true; set trainer.compile=true"
-    split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp") if getattr(p, k) > 1]
-    if p.strategy != "none" or split or p.activation_checkpointing:
-        what = ", ".join(split + ([f"parallel.strategy={p.strategy}"] if p.strategy != "none" else [])
-                         + (["parallel.activation_checkpointing=true"] if p.activation_checkpointing else []))
+    if what := per_block_settings(cfg.parallel):
         yield (f"trainer.compile_scope=model compiles one process's whole model as one graph, and {what} works on "
                f"single blocks; use trainer.compile_scope=blocks (each block compiled) or parallel.strategy=none alone")
 

@@ -20,7 +20,7 @@ from checks import validate
 from config import Config, ParallelConfig, UsageError
 from model import GPTConfig
 from parallel.layout import Layout
-from parallel.options import PP_ONLY, STRATEGY_ONLY, TP_ONLY, ZERO_STAGE_ONLY, Engine
+from parallel.options import PP_ONLY, STRATEGY_ONLY, TP_ONLY, ZERO_STAGE_ONLY, Engine, per_block_settings
 from planner.hardware import Hardware
 from planner.inventory import gpt_config, parameter_inventory, vocab_size
 from planner.layout_plan import plan_layout
@@ -80,8 +80,7 @@ def layout_config(cfg: Config, choice: DataParallelChoice, tp: int, pp: int) -> 
     new = copy.deepcopy(cfg)
     _apply_choice(new.parallel, choice, cfg.parallel.strategy)
     _apply_model_split(new.parallel, tp, pp, cfg.parallel.pp)
-    p = new.parallel
-    if (p.strategy, p.tp, p.pp, p.cp, p.activation_checkpointing) != ("none", 1, 1, 1, False):
+    if per_block_settings(new.parallel):
         new.trainer.compile_scope = "blocks"  # one graph of the whole model is one process's, no engine's
     return new
 

@@ -186,24 +186,23 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
-    elementwise = tokens * held.blocks * activation_width(g, lay) * hw.elementwise
-    compute = tokens * 3 * fwd / rate + elementwise + overhead + hw.step_overhead + split_backward(g, lay, held, hw)
+    elements = tokens * held.blocks * activation_width(g, lay)  # activation elements through the blocks
+    elementwise = elements * hw.elementwise
+    # zero-bubble: torch's input and weight halves of a backward cost more than one full backward
+    split = (held.blocks * lay.microbatches * hw.split_backward_overhead + elements * hw.split_backward_elementwise
+             if splits_backward(lay) else 0.0)
+    compute = tokens * 3 * fwd / rate + elementwise + overhead + hw.step_overhead + split
     recompute = tokens * fwd_blocks / rate + (elementwise + overhead) / 3 if lay.activation_checkpointing else 0.0
     busy = hw.busy_node_slowdown if lay.world > 1 else 1.0  # every device of the node computes
     return compute * busy, recompute * busy
 
 
-def split_backward(g: GPTConfig, lay: PlannedLayout, held: RankTensors, hw: Hardware) -> float:
-    """Seconds a zero-bubble schedule's split backward adds to one pp rank's step: torch runs each
-    stage's backward as an input half and a weight half (a walk of the autograd graph for the
-    parameter groups, then one autograd call per group), which cost more than one full backward:
-    split_backward_overhead per block per micro-batch + split_backward_elementwise per activation
-    element per block (measured: tools/calibrate.py split_rates). 0 for the other schedules."""
-    if lay.pp == 1 or lay.pp_schedule != "zero_bubble":
-        return 0.0
-    tokens = lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp
-    return held.blocks * (hw.split_backward_overhead * lay.microbatches
-                          + tokens * activation_width(g, lay) * hw.split_backward_elementwise)
+def splits_backward(lay: PlannedLayout) -> bool:
+    """Does the schedule run each backward as torch's input half and weight half (a walk of the
+    autograd graph for the parameter groups, then one autograd call per group)? The zero-bubble
+    ones; their cost beyond a full backward is the hardware's split_backward_* (tools/calibrate.py
+    split_rates)."""
+    return lay.pp > 1 and lay.pp_schedule == "zero_bubble"
 
 
 def activation_width(g: GPTConfig, lay: PlannedLayout) -> float:
@@ -241,7 +240,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
                       f"{f' + {hw.elementwise * 1e9:.3g} ns x tokens x blocks x width' if hw.elementwise else ''}"
                       f" + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
                       f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
-                      f"{' + the split backward (zero-bubble)' if split_backward(g, lay, held[slow], hw) else ''}"
+                      f"{' + the split backward (zero-bubble)' if splits_backward(lay) else ''}"
                       f"{f', x {hw.busy_node_slowdown:.3g} on a busy node' if hw.busy_node_slowdown > 1 and world > 1 else ''}")]
     if lay.activation_checkpointing:
         terms.append(TimeTerm("recompute", compute[slow][1], compute[slow][1], "one more forward of every block"))
