@@ -6,7 +6,9 @@ measured median step / predicted step (planner/timing.py on `--hardware local`) 
     python benchmarks/step_time_grid.py --out /tmp/grid --replan         # compare again, measuring nothing
 
 Each shape is one torchrun launch of benchmarks/strategy_report.py's worker (the same warm-up, the same
-median of REPEATS runs of STEPS steps, barrier to barrier); its raw measurement is kept in
+median of REPEATS runs of at least STEPS steps and MIN_RUN_MS ms, barrier to barrier), right after
+this machine's figures are calibrated for it (tools/calibrate.py, kept in OUT/calibration-<shape>/:
+the machine's speed drifts over a grid's quarter hour); its raw measurement is kept in
 OUT/measured-<shape>.json, so that a change to the time model is compared again with `--replan` on the
 same measurements instead of timing again. The grid spans width 64-512, depth 2-8, block 32-256; the
 global batch shrinks on the largest shapes so that each shape's launch stays within a few minutes on 2
@@ -30,7 +32,7 @@ import strategy_report as sr
 import torch
 
 import planner
-from observe.perf import cpu_line
+from observe.perf import PEAK_CACHE_ENV, cpu_line, machine_fingerprint
 from tools.calibrate import measure_local
 
 NPROC = 2
@@ -87,6 +89,39 @@ def figures(hw) -> str:
             f"{hw.split_backward_elementwise * 1e9:.1f} ns; " + "; ".join(links))
 
 
+def calibrated_here(path: Path) -> bool:
+    """Does the file hold figures of this machine (another machine's replan uses its own cache)?"""
+    try:
+        return machine_fingerprint("local hardware") in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def shape_hardware(out: Path, name: str, calibrate: bool):
+    """The local figures calibrated just before this shape was measured (OUT/calibration-<shape>/,
+    `calibrate`: measure them now), else the machine's cached ones (a measurement kept from before
+    shapes had their own). This shared machine's speed drifts by about 10% over tens of minutes
+    (three calibrations 2 minutes apart: busy x 1.03-1.11, efficiency 0.90-0.93), so a
+    calibration made at the start or end of a 15-minute grid misprices the shapes measured far
+    from it."""
+    folder = out / f"calibration-{name}"
+    if not calibrate and not calibrated_here(folder / "local-hardware.json"):
+        return planner.load_hardware("local", "fp32", measure=measure_local)
+    folder.mkdir(exist_ok=True)
+    if calibrate:  # measured now, not read from an earlier run into the same folder
+        for old in ("local-hardware.json", "peak-flops.json"):
+            (folder / old).unlink(missing_ok=True)
+    before = os.environ.get(PEAK_CACHE_ENV)
+    os.environ[PEAK_CACHE_ENV] = str(folder / "peak-flops.json")  # its peak, and local-hardware.json beside it
+    try:
+        return planner.load_hardware("local", "fp32", measure=measure_local)
+    finally:
+        if before is None:
+            os.environ.pop(PEAK_CACHE_ENV)
+        else:
+            os.environ[PEAK_CACHE_ENV] = before
+
+
 def rows_of(shape: Shape, measured: dict, hw) -> list[dict]:
     """One row per layout measured at this shape: predicted and measured step, their ratio, the
     prediction's terms."""
@@ -137,6 +172,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for measured-<shape>.json, grid.json and grid.md")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per run (default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per layout, the median counts (default 3)")
+    ap.add_argument("--min-run-ms", type=float, default=sr.MIN_RUN_MS,
+                    help=f"each timed run lasts at least this long (default {sr.MIN_RUN_MS:g})")
     ap.add_argument("--shapes", default="", help=f"comma-separated shape names (default all: "
                     f"{','.join(s.name for s in SHAPES)})")
     ap.add_argument("--replan", action="store_true", help="measure nothing: compare the kept measurements again")
@@ -145,30 +182,34 @@ def main() -> None:
     names = [x.strip() for x in args.shapes.split(",") if x.strip()] or list(known)
     if unknown := [x for x in names if x not in known]:
         ap.exit(2, f"error: unknown shape(s) {unknown}; choose from {sorted(known)}\n")
-    if args.steps < 1 or args.repeats < 1:
-        ap.exit(2, "error: --steps and --repeats must be >= 1\n")
+    if args.steps < 1 or args.repeats < 1 or args.min_run_ms < 0:
+        ap.exit(2, "error: --steps and --repeats must be >= 1, --min-run-ms >= 0\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(machine_line(), flush=True)
     for name in names if not args.replan else []:
         shape = known[name]
         cases, _ = sr.fitting(sr.layouts(NPROC), shape.overrides(), NPROC)
-        print(f"measuring {name}: {shape.label()}, {len(cases)} layouts", flush=True)
-        measured = sr.measure(cases, shape.overrides(), NPROC, args.steps, args.repeats)
+        print(f"calibrating, then measuring {name}: {shape.label()}, {len(cases)} layouts", flush=True)
+        shape_hardware(out, name, calibrate=True)
+        measured = sr.measure(cases, shape.overrides(), NPROC, args.steps, args.repeats, args.min_run_ms)
         (out / f"measured-{name}.json").write_text(json.dumps(measured))
-        (out / f"timing-{name}.json").write_text(json.dumps({"steps": args.steps, "repeats": args.repeats}))
+        (out / f"timing-{name}.json").write_text(json.dumps({"steps": args.steps, "repeats": args.repeats,
+                                                             "min_run_ms": args.min_run_ms}))
     torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
-    hw = planner.load_hardware("local", "fp32", measure=measure_local)
     shapes = [known[n] for n in names if (out / f"measured-{n}.json").is_file()]
     if not shapes:
         ap.exit(2, f"error: no measured-<shape>.json in {out}; run without --replan first\n")
-    rows = [r for s in shapes for r in rows_of(s, json.loads((out / f"measured-{s.name}.json").read_text()), hw)]
+    hws = {s.name: shape_hardware(out, s.name, calibrate=False) for s in shapes}
+    rows = [r for s in shapes
+            for r in rows_of(s, json.loads((out / f"measured-{s.name}.json").read_text()), hws[s.name])]
     timing = {json.dumps(json.loads(p.read_text())) for p in out.glob("timing-*.json")}
-    lines = [machine_line(), f"hardware: {hw.source}", figures(hw), "",
+    lines = [machine_line(), *[f"{name}: hardware: {hw.source}; {figures(hw)}" for name, hw in hws.items()], "",
              f"Cells: measured ms / predicted ms = measured / predicted (* outside {BAR:.0%}); the median "
-             f"of REPEATS runs of STEPS steps: {', '.join(sorted(timing))}.", ""]
+             f"of REPEATS runs of at least STEPS steps and MIN_RUN_MS ms: {', '.join(sorted(timing))}.", ""]
     lines += table(rows, shapes) + [""] + summary(rows)
-    (out / "grid.json").write_text(json.dumps({"cpu": machine_line(), "hardware": hw.source, "rows": rows}, indent=1))
+    (out / "grid.json").write_text(json.dumps({"cpu": machine_line(), "hardware": {n: hw.source for n, hw in hws.items()},
+                                               "rows": rows}, indent=1))
     (out / "grid.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -19,7 +19,9 @@ warm-up step:
   attached (held_memory.HeldPeak: on CPU torch.profiler's memory events from before the model is
   built, so DDP's buckets, FSDP2's gathered parameters and autograd's temporaries count too; on
   CUDA the allocator's max_memory_allocated), beside the planned peak;
-- REPEATS runs of STEPS steps timed with nothing attached: step time (the median run), tokens/s,
+- REPEATS runs of at least STEPS steps timed with nothing attached, each run at least MIN_RUN_MS long
+  (the steps per run set from one timed step, the same on every rank: on a shared 2-core machine a
+  run of 2 steps of 15 ms is shorter than the scheduler's bursts): step time (the median run), tokens/s,
   the predicted step time (planner/timing.py on `--hardware local`, what `--plan` ranks by), the pipeline bubble (1 - the stage's
   compute time / the schedule step's time, mean over ranks) and the bytes the loopback interface
   transmitted per step (every rank's traffic, TCP/IP headers included; approximate when anything
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -78,6 +81,7 @@ MODEL = [f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=8", "mode
 MEMORY = ("params", "grads", "optimizer", "activations_per_microbatch")
 KINDS = PLANNED_KINDS
 MEMORY_BAR, BYTES_BAR, TIME_BAR = 0.05, 0.02, 0.20
+MIN_RUN_MS = 250.0  # a timed run's least length: 10+ of a 2-core VM's scheduling bursts average out
 PEAK_BAR = 0.15  # the planned peak (a sum of what is live at once) against the peak really held
 SLACK = 64  # bytes: a category predicted as 0 may measure this much
 
@@ -125,7 +129,21 @@ def config(overrides: list[str], run_dir: Path):
 # ----------------------------------------------------------------------------- worker (each rank)
 
 
-def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int) -> dict:
+def steps_per_run(trainer, steps: int, min_run_s: float) -> int:
+    """At least `steps`, and enough that one run lasts `min_run_s`: one step timed barrier to barrier,
+    rank 0's count broadcast (every rank must run as many steps)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    trainer.train_step()
+    dist.barrier()
+    count = torch.tensor([max(steps, math.ceil(min_run_s / (time.perf_counter() - t0)))])
+    dist.broadcast(count, 0)
+    return int(count)
+
+
+def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int, min_run_s: float) -> dict:
     import torch.distributed as dist
 
     from launch.build import build_trainer
@@ -165,6 +183,7 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int
     sched = [0.0]
     if pipe:
         add_timer(pipe.schedule, "step", sched)
+    steps = steps_per_run(trainer, steps, min_run_s)
     chunks = []  # mean step time of each of `repeats` runs of `steps` steps, barrier to barrier
     wire0 = loopback_tx_bytes()
     for _ in range(repeats):
@@ -183,8 +202,8 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int
     dist.all_gather_object(everyone, mine)
     bubble = (statistics.mean(1 - r["busy"] / max(x["schedule_s"] for x in everyone) for r in everyone)
               if pipe else None)
-    return {"ranks": everyone, "step_s": seconds, "step_runs_s": chunks, "wire_bytes_per_step": wire,
-            "bubble": bubble}
+    return {"ranks": everyone, "step_s": seconds, "step_runs_s": chunks, "steps_per_run": steps,
+            "wire_bytes_per_step": wire, "bubble": bubble}
 
 
 def worker(args) -> None:
@@ -193,7 +212,8 @@ def worker(args) -> None:
     results = {}
     tmp = Path(tempfile.mkdtemp(prefix="strategy-report-"))
     for i, (name, overrides) in enumerate(args.case):
-        results[name] = measure_layout(overrides.split(), tmp / f"run{i}", args.steps, args.repeats)
+        results[name] = measure_layout(overrides.split(), tmp / f"run{i}", args.steps, args.repeats,
+                                       args.min_run_ms / 1000)
         dist.barrier()
     if dist.get_rank() == 0:
         Path(args.json).write_text(json.dumps(results))
@@ -235,6 +255,7 @@ class LayoutReport:
     wire_bytes_per_step: float  # loopback, all ranks
     step_s: float  # the median of the timed runs
     step_runs_s: list[float]  # each run's mean step time
+    steps_per_run: int  # at least --steps, enough for --min-run-ms (0: a measurement made before it was kept)
     step_predicted_s: float  # planner/timing.py on --hardware local
     time_terms: list[tuple[str, float]]  # the prediction's terms: name, exposed seconds
     tokens_per_s: float
@@ -287,7 +308,7 @@ def compare(name: str, overrides: str, got: dict, user: list[str], n: int, hw: H
     tokens = cfg.trainer.batch_size * cfg.model.block_size
     rep = LayoutReport(name, overrides, lp.name, memory, checks, busiest["collectives"], ranks[0]["ops"],
                        lp.moved_bytes_total, sum(moved(r) for r in ranks), got["wire_bytes_per_step"],
-                       got["step_s"], got["step_runs_s"], lp.time.step_s,
+                       got["step_s"], got["step_runs_s"], got.get("steps_per_run", 0), lp.time.step_s,
                        [(t.name, t.exposed) for t in lp.time.terms], tokens / got["step_s"], lp.bubble if lp.layout.pp > 1 else None,
                        got["bubble"], lp.memory.pp_rank, peak, start, terms)
     rep.ok = all(c.ok for c in memory + checks)
@@ -336,10 +357,11 @@ def _peak_table(reps: list[LayoutReport]) -> list[str]:
     return out + [""]
 
 
-def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, steps: int, hw_source: str) -> str:
+def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, runs: str, hw_source: str) -> str:
+    """`runs`: how long a timed run is, e.g. 'at least 4 steps and 250 ms'."""
     out = [f"# Strategy report: {n} processes, predicted vs measured", "",
            f"Produced by `python benchmarks/strategy_report.py {' '.join(argv)}` (CPU, gloo, {n} processes on "
-           f"one machine; {steps} timed steps per layout after one measured step).", "",
+           f"one machine; timed runs of {runs} per layout after one measured step).", "",
            f"Model: {model['n_layer']} layers x {model['n_embd']} wide, {model['n_head']} heads, block "
            f"{model['block_size']}, vocabulary {model['vocab_size']}, {model['parameters']:,} parameters; global "
            f"batch {model['global_batch']} sequences, {model['precision']}.", "",
@@ -391,7 +413,7 @@ def markdown(reps: list[LayoutReport], n: int, argv: list[str], model: dict, ste
             "a peer also waits for a core, so the measured bubble here is the schedule's plus the oversubscription's; "
             "benchmarks/pp_bubble.py at p=2 (one core per rank) measures the schedule alone.", "",
             f"Predicted: planner/timing.py on `--hardware local` ({hw_source}), the same formulas `--plan` "
-            f"ranks layouts by; measured: the median of {len(reps[0].step_runs_s)} runs of {steps} steps. Bar: "
+            f"ranks layouts by; measured: the median of {len(reps[0].step_runs_s)} runs of {runs}. Bar: "
             f"{TIME_BAR:.0%}. Within it: {sum(r.time_ok for r in reps)} of {len(reps)}. Ranking by time: "
             f"{_ranking(reps)}.", "",
             "| layout | predicted ms | measured ms | runs (min-max) | measured / predicted | tokens/s | "
@@ -494,12 +516,14 @@ def fitting(wanted: dict[str, str], user: list[str], n: int) -> tuple[dict[str, 
     return cases, refused
 
 
-def measure(cases: dict[str, str], user: list[str], n: int, steps: int, repeats: int, timeout_s: int = 900) -> dict:
+def measure(cases: dict[str, str], user: list[str], n: int, steps: int, repeats: int, min_run_ms: float,
+            timeout_s: int = 900) -> dict:
     """One torchrun launch of n processes measuring every case in turn (`worker`); its results by
     layout name. Exits with the launch's stderr when it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "measured.json"
-        cmd = [__file__, "--json", str(raw), "--steps", str(steps), "--repeats", str(repeats)]
+        cmd = [__file__, "--json", str(raw), "--steps", str(steps), "--repeats", str(repeats),
+               "--min-run-ms", str(min_run_ms)]
         for name, overrides in cases.items():
             cmd += ["--case", name, " ".join(overrides.split() + user)]
         r = torchrun_until(n, cmd, timeout_s=timeout_s, capture=True)
@@ -514,6 +538,7 @@ def main() -> None:
         ap.add_argument("--json", required=True)
         ap.add_argument("--steps", type=int, required=True)
         ap.add_argument("--repeats", type=int, required=True)
+        ap.add_argument("--min-run-ms", type=float, required=True)
         ap.add_argument("--case", nargs=2, action="append", default=[])
         return worker(ap.parse_args())
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -521,6 +546,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for report.md, report.json and the plots")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per layout; the median is reported (default 5)")
+    ap.add_argument("--min-run-ms", type=float, default=MIN_RUN_MS,
+                    help=f"each timed run lasts at least this long (default {MIN_RUN_MS:g}): more steps per run for fast layouts")
     ap.add_argument("--layouts", default="", help="comma-separated layout names (default: all that fit)")
     ap.add_argument("overrides", nargs="*", help="config overrides of the report's model, e.g. model.n_embd=128")
     argv = sys.argv[1:]
@@ -531,8 +558,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.nproc < 2:
         ap.exit(2, "error: --nproc must be >= 2 (a layout needs at least two processes)\n")
-    if args.steps < 1 or args.repeats < 1:
-        ap.exit(2, "error: --steps and --repeats must be >= 1\n")
+    if args.steps < 1 or args.repeats < 1 or args.min_run_ms < 0:
+        ap.exit(2, "error: --steps and --repeats must be >= 1, --min-run-ms >= 0\n")
     try:
         user = config(args.overrides, Path("unused"))
         planner.refuse_unpriced(user, "strategy_report.py")
@@ -551,7 +578,7 @@ def main() -> None:
         ap.exit(2, f"error: no layout fits {args.nproc} processes: {sorted(set(refused.values()))[:3]}\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    measured = measure(cases, args.overrides, args.nproc, args.steps, args.repeats)
+    measured = measure(cases, args.overrides, args.nproc, args.steps, args.repeats, args.min_run_ms)
     torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
     hw = planner.load_hardware("local", config(args.overrides, Path("unused")).trainer.precision, measure=measure_local)
     reps = [compare(name, overrides, measured[name], args.overrides, args.nproc, hw)
@@ -562,7 +589,8 @@ def main() -> None:
         "layouts": [asdict(x) | {"ok": x.ok, "peak_ok": x.peak_ok, "time_ratio": x.time_ratio, "time_ok": x.time_ok}
                     for x in reps]},
         indent=1))
-    (out / "report.md").write_text(markdown(reps, args.nproc, argv, model, args.steps, hw.source))
+    runs = f"at least {args.steps} steps and {args.min_run_ms:g} ms"
+    (out / "report.md").write_text(markdown(reps, args.nproc, argv, model, runs, hw.source))
     plots(reps, out, args.nproc)
     for x in reps:
         print(f"{x.name:28s} {'ok' if x.ok else 'OUTSIDE THE BARS'}  step {1000 * x.step_s:.1f} ms, "

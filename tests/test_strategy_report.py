@@ -56,7 +56,7 @@ def test_report_end_to_end_two_processes(tmp_path):
     model = [a for a in TINY if not a.startswith(("data.path", "trainer.eval", "trainer.log", "trainer.save",
                                                   "trainer.sample", "wandb", "optimizer"))]
     r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(out), "--steps", "1", "--repeats", "2",
-                "--layouts", "ddp dp2,fsdp dp2,tp2,tp2 +sp +vocab,pp2 1f1b,pp2 zero-bubble V,cp2 ring,cp2 allgather", *model,
+                "--min-run-ms", "0", "--layouts", "ddp dp2,fsdp dp2,tp2,tp2 +sp +vocab,pp2 1f1b,pp2 zero-bubble V,cp2 ring,cp2 allgather", *model,
                 "trainer.micro_batch_size=0"], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -71,7 +71,7 @@ def test_report_end_to_end_two_processes(tmp_path):
             assert c["measured"] == c["predicted"], (lay["name"], c)
         assert lay["ok"] and lay["wire_bytes_per_step"] > 0 and lay["tokens_per_s"] > 0
         # the step time --plan predicts on `--hardware local` beside the median of the measured runs
-        assert len(lay["step_runs_s"]) == 2 and lay["step_s"] == pytest.approx(statistics.median(lay["step_runs_s"]))
+        assert len(lay["step_runs_s"]) == 2 and lay["steps_per_run"] == 1 and lay["step_s"] == pytest.approx(statistics.median(lay["step_runs_s"]))
         assert lay["step_predicted_s"] > 0 and lay["time_ratio"] == pytest.approx(lay["step_s"] / lay["step_predicted_s"])
         assert {name for name, _ in lay["time_terms"]} >= {"compute", "optimizer"}
     assert {"tp"} <= {c["what"] for c in report["layouts"][2]["moved"]}
@@ -104,10 +104,11 @@ def check_held_peaks(report: dict) -> None:
         assert -PEAK_BELOW <= c["measured"] / c["predicted"] - 1 <= PEAK_ABOVE, c
 
 
-def test_report_refuses_bad_flags_with_one_line(tmp_path):
-    r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(tmp_path / "x"),
-                "--layouts", "ddp dp3"], timeout=60)
-    assert r.returncode == 2 and r.stderr.startswith("error: unknown layout") and r.stderr.count("\n") == 1
+@pytest.mark.parametrize("flags, says", [(["--layouts", "ddp dp3"], "error: unknown layout"),
+                                         (["--min-run-ms", "-1"], "error: --steps and --repeats must be")])
+def test_report_refuses_bad_flags_with_one_line(tmp_path, flags, says):
+    r = python(["benchmarks/strategy_report.py", "--nproc", "2", "--out", str(tmp_path / "x"), *flags], timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(says) and r.stderr.count("\n") == 1
     assert not (tmp_path / "x").exists()
 
 

@@ -70,6 +70,7 @@ NARROW_WIDTH = 64  # the second block (same positions and sequences) that separa
 SPLIT_STAGES = ((64, 64, 4), (256, 128, 4))  # width, positions, sequences of the stages timed by split_rates
 SPLIT_BLOCKS = 2  # blocks in each of those stages
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
+LINK_KINDS, LINK_ROUNDS = ("all-reduce", "all-gather", "all-to-all"), 4
 
 
 def measure_local() -> dict:
@@ -292,16 +293,28 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
             total += _timed(call)
         return total / calls
 
-    def rates(kind: str) -> tuple[float, float]:
-        """(seconds per ring step, bytes/s one rank sends) of one kind at 2 ranks."""
-        steps, sent = (2, 1.0) if kind == "all-reduce" else (1, 0.5)
+    def rates() -> dict[str, tuple[float, float]]:
+        """Per kind: (seconds per ring step, bytes/s one rank sends) at 2 ranks. The calls' times are
+        heavy-tailed (above), so their mean needs many: 160 small and 40 large calls a kind, in
+        LINK_ROUNDS rounds with the kinds taking turns, so that a slow minute of the machine weighs
+        on all three alike (40 and 20 calls, one kind after the other, gave a gather latency of
+        1.5-2.6 ms in three calibrations two minutes apart)."""
         small, large = torch.ones(SMALL), torch.ones(LARGE)
         out = torch.empty(LARGE)
-        latency = mean_after_work(lambda: collective_call(kind, small, out), 40) / steps
-        seconds = mean_after_work(lambda: collective_call(kind, large, out), 20)
-        # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
-        return latency, sent * large.numel() * large.element_size() / max(seconds - steps * latency, seconds / 2)
-    (latency, bandwidth), gather, scatter = rates("all-reduce"), rates("all-gather"), rates("all-to-all")
+        sums = {kind: [0.0, 0.0] for kind in LINK_KINDS}
+        for _ in range(LINK_ROUNDS):
+            for kind in LINK_KINDS:
+                sums[kind][0] += mean_after_work(lambda: collective_call(kind, small, out), 40) / LINK_ROUNDS
+                sums[kind][1] += mean_after_work(lambda: collective_call(kind, large, out), 10) / LINK_ROUNDS
+        got = {}
+        for kind, (small_s, large_s) in sums.items():
+            steps, sent = (2, 1.0) if kind == "all-reduce" else (1, 0.5)
+            latency = small_s / steps
+            # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
+            got[kind] = latency, sent * large.numel() * large.element_size() / max(large_s - steps * latency, large_s / 2)
+        return got
+    got = rates()
+    (latency, bandwidth), gather, scatter = got["all-reduce"], got["all-gather"], got["all-to-all"]
     dist.destroy_process_group()
     if rank == 0:
         print(json.dumps({"latency": latency, "bandwidth": bandwidth, "busy_node_slowdown": slowdown,
