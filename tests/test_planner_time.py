@@ -399,7 +399,8 @@ def test_elementwise_work_costs_per_activation_element(tmp_path, overrides, widt
 def test_calibration_separates_matmul_efficiency_from_elementwise_work(monkeypatch):
     """compute_rates solves the two blocks' times for both unknowns: blocks timed as a CPU of
     efficiency 0.8 and 2 ns per activation element would run give back 0.8 and 2 ns; times that
-    give a negative element-wise cost fall back to the wide block's efficiency alone."""
+    give a negative element-wise cost fall back to the wide block's efficiency alone; times faster
+    than the peak clamp the efficiency at 1."""
     from tools import calibrate
     peak, overhead = 1e11, 1e-3
     monkeypatch.setattr(calibrate, "cpu_peak", lambda dtype: (peak, "test"))
@@ -414,6 +415,11 @@ def test_calibration_separates_matmul_efficiency_from_elementwise_work(monkeypat
     monkeypatch.setattr(calibrate, "measure_block", timed(0.8, -1e-9))
     efficiency, elementwise = calibrate.compute_rates(overhead)
     assert elementwise == 0 and 0 < efficiency <= 1
+    # matmuls timed 2% above the peak's rate (a peak measured on a slow minute): efficiency 1 and
+    # the rest element-wise, 36 ns here against the 40 timed, not the 0 ns of the fallback above
+    monkeypatch.setattr(calibrate, "measure_block", timed(1.02, 40e-9))
+    efficiency, elementwise = calibrate.compute_rates(overhead)
+    assert efficiency == 1 and 35e-9 < elementwise < 37e-9
 
 
 @pytest.mark.parametrize("overrides, stage_blocks", [

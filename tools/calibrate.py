@@ -97,24 +97,27 @@ def compute_rates(overhead: float) -> tuple[float, float]:
     activation's width), two equations for the two unknowns. Without the second term a narrow
     model's element-wise work, a larger share of its step, goes unpriced (measured on the
     2-process grid, benchmarks/step_time_grid.py). A noisy pair that gives a negative
-    element-wise cost falls back to the wide block's efficiency alone."""
+    element-wise cost falls back to the wide block's efficiency alone; one faster than the peak
+    is clamped to it."""
     width, positions, sequences = EFFICIENCY_BLOCK
     tokens, peak = positions * sequences, cpu_peak("fp32")[0]
     flops = {w: 3 * tokens * (24 * w * w + 4 * positions * w) / peak for w in (width, NARROW_WIDTH)}
-    # the best of 7 rounds of 3, the two widths taking turns: the element-wise term rests on the
-    # two times' difference, so a drift of the machine must not fall between them (the best of 3
-    # and of 7, one width after the other, gave 0 to 59 ns in the 8 calibrations of one grid; this
-    # way 34-41 ns and efficiency 0.92-0.99 in 10 runs)
-    best = {w: float("inf") for w in (width, NARROW_WIDTH)}
-    for _ in range(7):
-        for w in best:
-            best[w] = min(best[w], measure_block(w, positions, sequences, repeats=3))
-    busy = {w: max(t - overhead, 1e-9) for w, t in best.items()}
+    # one width after the other, each its best of a few: tried instead on 2026-11-28, the widths
+    # taking turns as the best of 7 rounds of 3 (efficiency 0.96-1.0 in a grid's 8 calibrations)
+    # and as the median of 9 rounds (0.81-0.91): their grids had 36 and 24 of 112 rows outside
+    # 20%, this way's 10 and 11 (before the clamp below; docs/planner.md, the grid)
+    busy = {w: max(measure_block(w, positions, sequences, repeats=3 if w == width else 7) - overhead, 1e-9)
+            for w in (width, NARROW_WIDTH)}
     # t = a x + n c, with x = 1 / efficiency, c = elementwise, n = tokens x w
     (a1, n1, t1), (a2, n2, t2) = ((flops[w], tokens * w, busy[w]) for w in (width, NARROW_WIDTH))
     det = a1 * n2 - a2 * n1
     x, c = (t1 * n2 - t2 * n1) / det, (a1 * t2 - a2 * t1) / det
-    if c <= 0 or x < 1:
+    if x < 1:  # the matmuls at or above the peak's rate (a peak measured on a slow minute): at it,
+        # and the rest of both blocks element-wise (least squares); falling back to efficiency
+        # alone here priced 5 of one grid's 8 calibrations at 0 ns
+        x = 1.0
+        c = (n1 * (t1 - a1) + n2 * (t2 - a2)) / (n1 * n1 + n2 * n2)
+    if c <= 0:
         return min(1.0, a1 / t1), 0.0
     return 1 / x, c
 
