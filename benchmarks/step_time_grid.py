@@ -100,10 +100,10 @@ def calibrated_here(path: Path) -> bool:
 def shape_hardware(out: Path, name: str, calibrate: bool):
     """The local figures calibrated just before this shape was measured (OUT/calibration-<shape>/,
     `calibrate`: measure them now), else the machine's cached ones (a measurement kept from before
-    shapes had their own). This shared machine's speed drifts by about 10% over tens of minutes
-    (three calibrations 2 minutes apart: busy x 1.03-1.11, efficiency 0.90-0.93), so a
-    calibration made at the start or end of a 15-minute grid misprices the shapes measured far
-    from it."""
+    shapes had their own). This shared machine's speed drifts over a grid's 20 minutes (the 8
+    calibrations of docs/grid-n2, 2-3 minutes apart: efficiency 0.81-0.995, busy x 1.00-1.12), so
+    one calibration made at the start or end of the grid misprices the shapes measured far from
+    it."""
     folder = out / f"calibration-{name}"
     if not calibrate and not calibrated_here(folder / "local-hardware.json"):
         return planner.load_hardware("local", "fp32", measure=measure_local)
