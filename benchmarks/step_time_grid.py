@@ -33,6 +33,7 @@ import torch
 
 import planner
 from observe.perf import PEAK_CACHE_ENV, cpu_line, machine_fingerprint
+from planner.local_hardware import worker_threads
 from tools.calibrate import measure_local
 
 NPROC = 2
@@ -90,11 +91,16 @@ def figures(hw) -> str:
 
 
 def calibrated_here(path: Path) -> bool:
-    """Does the file hold figures of this machine (another machine's replan uses its own cache)?"""
+    """Does the file hold figures of this machine, keyed as planner/local_hardware.py keys them (at a
+    rank's threads)? Another machine's replan uses its own cache instead."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(worker_threads())
     try:
         return machine_fingerprint("local hardware") in json.loads(path.read_text())
     except (OSError, ValueError):
         return False
+    finally:
+        torch.set_num_threads(previous)
 
 
 def shape_hardware(out: Path, name: str, calibrate: bool):
