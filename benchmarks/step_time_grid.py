@@ -26,14 +26,15 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import _repo  # noqa: F401  (the repository on sys.path)
 import strategy_report as sr
 import torch
 
 import planner
-from observe.perf import PEAK_CACHE_ENV, cpu_line, machine_fingerprint
-from planner.local_hardware import worker_threads
+from observe.perf import PEAK_CACHE_ENV, cpu_line
+from planner.local_hardware import holds_this_machine
 from tools.calibrate import measure_local
 
 NPROC = 2
@@ -90,19 +91,6 @@ def figures(hw) -> str:
             f"{hw.split_backward_elementwise * 1e9:.1f} ns; " + "; ".join(links))
 
 
-def calibrated_here(path: Path) -> bool:
-    """Does the file hold figures of this machine, keyed as planner/local_hardware.py keys them (at a
-    rank's threads)? Another machine's replan uses its own cache instead."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(worker_threads())
-    try:
-        return machine_fingerprint("local hardware") in json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    finally:
-        torch.set_num_threads(previous)
-
-
 def shape_hardware(out: Path, name: str, calibrate: bool):
     """The local figures calibrated just before this shape was measured (OUT/calibration-<shape>/,
     `calibrate`: measure them now), else the machine's cached ones (a measurement kept from before
@@ -111,21 +99,15 @@ def shape_hardware(out: Path, name: str, calibrate: bool):
     one calibration made at the start or end of the grid misprices the shapes measured far from
     it."""
     folder = out / f"calibration-{name}"
-    if not calibrate and not calibrated_here(folder / "local-hardware.json"):
+    if not calibrate and not holds_this_machine(folder / "local-hardware.json"):
         return planner.load_hardware("local", "fp32", measure=measure_local)
     folder.mkdir(exist_ok=True)
     if calibrate:  # measured now, not read from an earlier run into the same folder
         for old in ("local-hardware.json", "peak-flops.json"):
             (folder / old).unlink(missing_ok=True)
-    before = os.environ.get(PEAK_CACHE_ENV)
-    os.environ[PEAK_CACHE_ENV] = str(folder / "peak-flops.json")  # its peak, and local-hardware.json beside it
-    try:
+    # the folder as the cache: its peak, and local-hardware.json beside it
+    with mock.patch.dict(os.environ, {PEAK_CACHE_ENV: str(folder / "peak-flops.json")}):
         return planner.load_hardware("local", "fp32", measure=measure_local)
-    finally:
-        if before is None:
-            os.environ.pop(PEAK_CACHE_ENV)
-        else:
-            os.environ[PEAK_CACHE_ENV] = before
 
 
 def rows_of(shape: Shape, measured: dict, hw) -> list[dict]:

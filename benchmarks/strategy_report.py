@@ -580,7 +580,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     measured = measure(cases, args.overrides, args.nproc, args.steps, args.repeats, args.min_run_ms)
     torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
-    hw = planner.load_hardware("local", config(args.overrides, Path("unused")).trainer.precision, measure=measure_local)
+    hw = planner.load_hardware("local", user.trainer.precision, measure=measure_local)
     reps = [compare(name, overrides, measured[name], args.overrides, args.nproc, hw)
             for name, overrides in cases.items()]
     (out / "report.json").write_text(json.dumps({

@@ -6,6 +6,7 @@ Every local link is one class: there is no second node to measure, so inter_node
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -36,17 +37,31 @@ def worker_threads() -> int:
         return 1
 
 
+@contextlib.contextmanager
+def _rank_threads():
+    """torch at the threads a rank runs with (worker_threads), which the figures and their cache
+    key are measured at, whatever the calling shell's."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(worker_threads())
+    try:
+        yield worker_threads()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def holds_this_machine(path: Path) -> bool:
+    """Does the cache file at `path` hold this machine's figures (its key, at a rank's threads)?"""
+    with _rank_threads():
+        return machine_fingerprint("local hardware") in _read(path)
+
+
 def local_figures(precision: str, measure: Callable[[], dict] | None = None) -> dict:
     """This machine as a hardware description (planner/hardware.py's YAML keys), for the threads a
     rank runs with (worker_threads), not this shell's: a plan from a plain shell predicts the
     torchrun launch. `measure` (tools/calibrate.py's measure_local) runs where nothing is cached;
     None: the UNCALIBRATED figures."""
-    previous, threads = torch.get_num_threads(), worker_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _rank_threads() as threads:
         figures = _local_figures(precision, measure)
-    finally:
-        torch.set_num_threads(previous)
     figures["source"] += (f", {threads} thread{'s' if threads > 1 else ''} per rank: OMP_NUM_THREADS"
                           f"{'' if 'OMP_NUM_THREADS' in os.environ else ' unset, as torchrun sets it (1)'}")
     return figures
