@@ -18,7 +18,10 @@ Then the ratio of tokens/s and the difference of val loss, and the ratio again a
 on a shared 2-core machine either run is slowed in bursts (a whole step 25 -> 33 ms for a minute
 while nothing of ours changed), which moves the medians of runs made one after the other. The CPU's model and
 the flags that decide its fastest precision are printed first and with the results; `--also-fp32`
-runs ours a second time per seed with trainer.precision=fp32 (a preset's `auto` beside its fallback). `--seeds 1337 42` repeats both runs
+runs ours a second time per seed with trainer.precision=fp32 (a preset's `auto` beside its fallback).
+`--turns S` runs a seed's trainings together, one at a time for S seconds each: the steps a process
+was stopped in are left out of its figures, and the ratio is also given cycle by cycle (one turn of
+every side), the sides measured seconds apart under the same load. `--seeds 1337 42` repeats both runs
 per seed and reports the spread.
 
     python benchmarks/vs_nanogpt.py                       # 2000 steps, 2 threads
@@ -41,8 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import _repo  # noqa: F401  (the repository on sys.path)
 import torch
@@ -56,6 +60,7 @@ from weights.model_file import read_model_file
 
 NANOGPT = SHARED / "peers" / "nanoGPT"
 BLOCK, BATCH = 64, 12
+ITERATION = re.compile(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", re.M)  # nanoGPT's line per iteration
 WINDOW = 10  # steps per timing window on both sides: this project logs a 10-step mean (log_every=10)
 
 
@@ -80,16 +85,22 @@ class Finished:
     stderr: str
     returncode: int
     wall_s: float
+    # with turns: (cycle, indices of the rows made wholly within that turn) for each turn it had; a
+    # row is a step or window its `rows` counter counts, the first of a turn dropped: it began
+    # before the turn (in the previous one, stopped through the others' turns) or is the first
+    turns: list[tuple[int, range]] = field(default_factory=list)
 
 
-def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: float) -> list[Finished]:
+def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: float,
+                  rows: list[Callable[[Path], int]] | None = None) -> list[Finished]:
     """Run each (argv, cwd) to its end. turns = 0: one after the other. turns > 0: all started, and
     they take turns on the machine, `turns` seconds each (SIGSTOP / SIGCONT: one runs at a time, as
     before), so while they overlap a burst of outside load slows every side alike (the last to
-    finish runs its tail alone). The step a process is stopped in counts the others' turns: in
-    nanoGPT's per-iteration median 1 in ~40 steps, in this project's median of 10-step means about
-    1 window in 7 at 2 s turns, a bias against this project's figure; each wall time then includes the
-    others' turns."""
+    finish runs its tail alone); each wall time then includes the others' turns. `rows[i]` (given
+    the path of command i's stdout file) counts the steps or windows command i has finished so far:
+    read after each of its turns, it says which turn each one ran in (Finished.turns), so that a step
+    a process was stopped in (it counts the others' turns) is left out, and the sides are compared
+    cycle by cycle under the same load."""
     if turns <= 0:
         done = []
         for argv, cwd in commands:
@@ -107,6 +118,8 @@ def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: f
                 procs.append(subprocess.Popen(argv, cwd=cwd, env=env(threads), stdout=out, stderr=err, text=True,
                                               start_new_session=True))
                 os.killpg(procs[-1].pid, signal.SIGSTOP)
+            made, cycle = [0] * len(procs), 0  # rows counted after each process's last turn
+            taken: list[list[tuple[int, range]]] = [[] for _ in procs]
             while len(ends) < len(procs):
                 for i, proc in enumerate(procs):
                     if i in ends:
@@ -117,6 +130,11 @@ def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: f
                         ends[i] = time.perf_counter()
                     except subprocess.TimeoutExpired:
                         os.killpg(proc.pid, signal.SIGSTOP)
+                    if rows:
+                        now = rows[i](Path(logs[i][0].name))
+                        taken[i].append((cycle, range(made[i] + 1, now)))
+                        made[i] = now
+                cycle += 1
         finally:  # interrupted (Ctrl-C, an error): no stopped process may outlive this one
             for i, proc in enumerate(procs):
                 if i not in ends and proc.poll() is None:
@@ -125,7 +143,8 @@ def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: f
         done = []
         for i, (proc, (out, err)) in enumerate(zip(procs, logs)):
             out.seek(0), err.seek(0)
-            done.append(Finished(out.read(), err.read(), proc.returncode, ends[i] - start))
+            done.append(Finished(out.read(), err.read(), proc.returncode, ends[i] - start,
+                                 turns=taken[i] if rows else []))
         return done
 
 
@@ -137,12 +156,30 @@ def nanogpt_out(scratch: Path, seed: int) -> Path:
     return scratch / f"out-{seed}"
 
 
+def kept(r: Finished, values: list[float | None], skip: int) -> tuple[list[float], dict[int, list[float]]]:
+    """The values of a run's rows from row `skip` on; with turns only the rows made wholly within one
+    turn, and those again by cycle."""
+    if not r.turns:
+        return [v for v in values[skip:] if v is not None], {}
+    cycles = {}
+    for cycle, rows in r.turns:
+        got = [values[i] for i in rows if skip <= i < len(values) and values[i] is not None]
+        if got:
+            cycles[cycle] = got
+    return [v for c in sorted(cycles) for v in cycles[c]], cycles
+
+
+def nanogpt_rows(stdout_file: Path) -> int:
+    """nanoGPT's iterations so far: its per-iteration lines (log_interval=1)."""
+    return len(ITERATION.findall(stdout_file.read_text(encoding="utf-8", errors="replace")))
+
+
 def nanogpt_result(r: Finished, scratch: Path, seed: int) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"nanoGPT failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    ms = [float(m) for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", r.stdout, re.M)][5:]
+    ms, cycles = kept(r, [float(m) for m in ITERATION.findall(r.stdout)], skip=5)
     windows = [statistics.mean(ms[i:i + WINDOW]) for i in range(0, len(ms) - WINDOW + 1, WINDOW)]
-    return {"step_ms": statistics.median(ms), "windows_ms": windows, "wall_s": r.wall_s,
+    return {"step_ms": statistics.median(ms), "windows_ms": windows, "cycles": cycles, "wall_s": r.wall_s,
             "tokens_per_step": BATCH * BLOCK, "ckpt": nanogpt_out(scratch, seed) / "ckpt.pt"}
 
 
@@ -165,10 +202,17 @@ def ours_result(r: Finished, run: Path) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"main.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    windows = [row["step_time_ms"] for row in rows[1:] if "step_time_ms" in row]  # log_every=10: 10-step means
+    # log_every=10: 10-step means; the first holds the compile
+    windows, cycles = kept(r, [row.get("step_time_ms") for row in rows], skip=1)
     notes = [line for line in r.stdout.splitlines() if line.startswith("precision:")]  # trainer.precision=auto's
-    return {"step_ms": statistics.median(windows), "windows_ms": windows, "wall_s": r.wall_s,
+    return {"step_ms": statistics.median(windows), "windows_ms": windows, "cycles": cycles, "wall_s": r.wall_s,
             "tokens_per_step": tokens_per_step(run), "model": run / "model.pt", "note": notes[0] if notes else ""}
+
+
+def our_rows(run: Path) -> int:
+    """This project's 10-step windows so far: the rows of its metrics.jsonl (each written whole)."""
+    path = run / "metrics.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def tokens_per_step(run: Path) -> int:
@@ -257,6 +301,24 @@ def report(results: dict, seeds: list[int], turns: float = 0.0) -> None:
               f"(mean {statistics.mean(diffs):+.4f})")
         print(f"  tokens/s ratio at each side's 10th-percentile {WINDOW}-step window (its fast periods: a shared "
               f"machine slows either side in bursts): {', '.join(f'{r:.2f}x' for r in fast)}")
+        if turns:
+            paired = [cycle_ratios(n, o) for n, o in zip(nanos, runs)]
+            print("  tokens/s ratio cycle by cycle (in each cycle of turns, nanoGPT's median step over ours; the "
+                  "median over the cycles, their 10th-90th percentile): " + ", ".join(
+                      f"{statistics.median(c):.2f}x over {len(c)} ({pct(c, 0):.2f}-{pct(c, -1):.2f})" for c in paired))
+
+
+def cycle_ratios(nano: dict, ours: dict) -> list[float]:
+    """Per cycle of turns that both sides ran steps in: the ratio of their tokens/s in it, the two
+    measured seconds apart, so a change of the machine's speed between cycles cancels."""
+    both = sorted(nano["cycles"].keys() & ours["cycles"].keys())
+    return [statistics.median(nano["cycles"][c]) * ours["tokens_per_step"]
+            / (statistics.median(ours["cycles"][c]) * nano["tokens_per_step"]) for c in both]
+
+
+def pct(values: list[float], which: int) -> float:
+    """The 10th (which=0) or 90th (which=-1) percentile."""
+    return statistics.quantiles(values, n=10, method="inclusive")[which] if len(values) > 1 else values[0]
 
 
 def fast_tokens_per_s(run: dict) -> float:
@@ -295,7 +357,9 @@ def main() -> None:
             commands = [nanogpt_command(scratch, args.steps, seed)] + [
                 ours_command(folder, args.steps, seed, extra, args.preset, tag=f"ours{i}")
                 for i, extra in enumerate(sides.values())]
-            finished = run_processes(commands, args.threads, args.turns)
+            rows = [nanogpt_rows] + [lambda _, run=our_run(folder, f"ours{i}", seed): our_rows(run)
+                                     for i in range(len(sides))]
+            finished = run_processes(commands, args.threads, args.turns, rows)
             nano = nanogpt_result(finished[0], scratch, seed)
             nano["val"] = nanogpt_val_loss(scratch, nano["ckpt"], val_text, chars)
             results["nanoGPT"].append(nano)

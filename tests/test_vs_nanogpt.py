@@ -28,6 +28,25 @@ def test_turns_run_every_command_to_its_end(monkeypatch):
     assert all(d.wall_s > 0 for d in done)
 
 
+def test_a_step_a_process_was_stopped_in_is_left_out(monkeypatch):
+    """Each stand-in prints a row every 20 ms with the seconds since its previous row. Counted after
+    each turn, the rows kept (Finished.turns) took 20 ms each: none spans a stop, which lasts the
+    other's whole turn (0.3 s); what was left out is one row per turn, the first."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from vs_nanogpt import run_processes
+    rows = ("import time\nlast = time.perf_counter()\nfor _ in range(80):\n    time.sleep(0.02)\n"
+            "    now = time.perf_counter()\n    print(f'row {now - last:.4f}', flush=True)\n    last = now\n")
+    count = lambda out: out.read_text().count("\n")  # noqa: E731
+    done = run_processes([([sys.executable, "-c", rows], REPO)] * 2, threads=1, turns=0.3, rows=[count, count])
+    for d in done:
+        seconds = [float(line.split()[1]) for line in d.stdout.splitlines()]
+        kept = [i for _, r in d.turns for i in r]
+        assert len(seconds) == 80 and kept == sorted(set(kept)) and len(kept) >= 80 - 2 * len(d.turns)
+        assert max(seconds[i] for i in kept) < 0.2, "a kept row spans a stop"
+        assert max(seconds) > 0.25, "no row was stopped: the test proves nothing"
+        assert [c for c, _ in d.turns] == sorted(c for c, _ in d.turns) and len(d.turns) >= 4
+
+
 def test_an_interrupted_run_leaves_no_process_behind(tmp_path):
     pid_files = [tmp_path / f"child{i}.pid" for i in range(2)]
     child = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
