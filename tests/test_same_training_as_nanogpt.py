@@ -117,7 +117,7 @@ def test_the_preset_is_nanogpts_recipe(setting, tmp_path):
 def test_the_schedule_is_nanogpts_but_for_one_warmup_step(setting, tmp_path):
     """After warmup the learning rates are nanoGPT's to the last bit; during warmup this project
     reaches the peak at the last warmup step ((k+1)/w), nanoGPT one step later ((k+1)/(w+1)):
-    at most 1% apart, for the first 100 of 2000 steps."""
+    this project's 1% higher for the first 100 of 2000 steps."""
     s, _, _ = setting
     cfg, _ = our_trainer(tmp_path)
     get_lr, w = nanogpt_get_lr(s), s["warmup_iters"]
