@@ -60,7 +60,8 @@ from weights.model_file import read_model_file
 
 NANOGPT = SHARED / "peers" / "nanoGPT"
 BLOCK, BATCH = 64, 12
-ITERATION = re.compile(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", re.M)  # nanoGPT's line per iteration
+ITERATION = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)  # nanoGPT's line per iteration
+MIN_TURN_S = 1.0  # the shortest --turns: a few 10-step windows of the slowest side per turn
 WINDOW = 10  # steps per timing window on both sides: this project logs a 10-step mean (log_every=10)
 
 
@@ -68,8 +69,12 @@ def nanogpt_args(steps: int, seed: int, out: Path) -> list[str]:
     return ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
             "--log_interval=1", f"--block_size={BLOCK}", f"--batch_size={BATCH}", "--n_layer=4", "--n_head=4",
             "--n_embd=128", f"--max_iters={steps}", f"--lr_decay_iters={steps}", "--dropout=0.0",
-            f"--out_dir={out}", "--always_save_checkpoint=True", f"--eval_interval={min(250, steps)}",
+            f"--out_dir={out}", "--always_save_checkpoint=True", f"--eval_interval={eval_interval(steps)}",
             f"--seed={seed}"]
+
+
+def eval_interval(steps: int) -> int:
+    return min(250, steps)
 
 
 def env(threads: int) -> dict:
@@ -85,9 +90,8 @@ class Finished:
     stderr: str
     returncode: int
     wall_s: float
-    # with turns: (cycle, indices of the rows made wholly within that turn) for each turn it had; a
-    # row is a step or window its `rows` counter counts, the first of a turn dropped: it began
-    # before the turn (in the previous one, stopped through the others' turns) or is the first
+    # with turns: (cycle, indices of the rows finished in that turn) for each turn it had; a row is
+    # a step or window its `rows` counter counts (`kept` leaves out those that span a stop)
     turns: list[tuple[int, range]] = field(default_factory=list)
 
 
@@ -130,9 +134,10 @@ def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: f
                         ends[i] = time.perf_counter()
                     except subprocess.TimeoutExpired:
                         os.killpg(proc.pid, signal.SIGSTOP)
+                        wait_stopped(proc.pid)  # counted below once it can add no row
                     if rows:
                         now = rows[i](Path(logs[i][0].name))
-                        taken[i].append((cycle, range(made[i] + 1, now)))
+                        taken[i].append((cycle, range(made[i], now)))
                         made[i] = now
                 cycle += 1
         finally:  # interrupted (Ctrl-C, an error): no stopped process may outlive this one
@@ -148,6 +153,20 @@ def run_processes(commands: list[tuple[list[str], Path]], threads: int, turns: f
         return done
 
 
+def wait_stopped(pid: int, timeout_s: float = 2.0) -> None:
+    """Until the process is stopped (state T in /proc/PID/stat; SIGSTOP is delivered asynchronously)
+    or gone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in "TtZX":
+            return
+        time.sleep(0.001)
+
+
 def nanogpt_command(scratch: Path, steps: int, seed: int) -> tuple[list[str], Path]:
     return [sys.executable, "train.py", *nanogpt_args(steps, seed, nanogpt_out(scratch, seed))], scratch
 
@@ -156,14 +175,17 @@ def nanogpt_out(scratch: Path, seed: int) -> Path:
     return scratch / f"out-{seed}"
 
 
-def kept(r: Finished, values: list[float | None], skip: int) -> tuple[list[float], dict[int, list[float]]]:
-    """The values of a run's rows from row `skip` on; with turns only the rows made wholly within one
-    turn, and those again by cycle."""
+def kept(r: Finished, values: list[float | None], skip: int, lead: int) -> tuple[list[float], dict[int, list[float]]]:
+    """The values (None: not a training step's) of a run's rows from row `skip` on; with turns only
+    the rows timed wholly within one turn, and those again by cycle: the first `lead` rows finished in
+    each turn are left out, as the one whose clock ran through the stop before the turn (and, for a
+    process that reads its clock before it writes the row, the one before that, timed in the
+    previous turn but written in this one, which makes the next the one that spans the stop)."""
     if not r.turns:
         return [v for v in values[skip:] if v is not None], {}
     cycles = {}
     for cycle, rows in r.turns:
-        got = [values[i] for i in rows if skip <= i < len(values) and values[i] is not None]
+        got = [values[i] for i in rows[lead:] if skip <= i < len(values) and values[i] is not None]
         if got:
             cycles[cycle] = got
     return [v for c in sorted(cycles) for v in cycles[c]], cycles
@@ -174,10 +196,15 @@ def nanogpt_rows(stdout_file: Path) -> int:
     return len(ITERATION.findall(stdout_file.read_text(encoding="utf-8", errors="replace")))
 
 
-def nanogpt_result(r: Finished, scratch: Path, seed: int) -> dict:
+def nanogpt_result(r: Finished, scratch: Path, seed: int, eval_interval: int) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"nanoGPT failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    ms, cycles = kept(r, [float(m) for m in ITERATION.findall(r.stdout)], skip=5)
+    # an iteration that evaluates and saves (iter % eval_interval == 0) is timed with them: not a step
+    ms = [None if int(it) % eval_interval == 0 else float(m) for it, m in ITERATION.findall(r.stdout)]
+    # nanoGPT reads its clock, then prints the line (after loss.item()): lead 2 (see kept)
+    ms, cycles = kept(r, ms, skip=5, lead=2)
+    if not ms:
+        raise SystemExit("nanoGPT: no iteration was timed within a turn; give a longer --turns")
     windows = [statistics.mean(ms[i:i + WINDOW]) for i in range(0, len(ms) - WINDOW + 1, WINDOW)]
     return {"step_ms": statistics.median(ms), "windows_ms": windows, "cycles": cycles, "wall_s": r.wall_s,
             "tokens_per_step": BATCH * BLOCK, "ckpt": nanogpt_out(scratch, seed) / "ckpt.pt"}
@@ -203,7 +230,10 @@ def ours_result(r: Finished, run: Path) -> dict:
         raise SystemExit(f"main.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # log_every=10: 10-step means; the first holds the compile
-    windows, cycles = kept(r, [row.get("step_time_ms") for row in rows], skip=1)
+    # lead 1: a window's clock counts train steps only, so a stop after it closes spans no kept row
+    windows, cycles = kept(r, [row.get("step_time_ms") for row in rows], skip=1, lead=1)
+    if not windows:
+        raise SystemExit(f"{run.name}: no {WINDOW}-step window was timed within a turn; give a longer --turns")
     notes = [line for line in r.stdout.splitlines() if line.startswith("precision:")]  # trainer.precision=auto's
     return {"step_ms": statistics.median(windows), "windows_ms": windows, "cycles": cycles, "wall_s": r.wall_s,
             "tokens_per_step": tokens_per_step(run), "model": run / "model.pt", "note": notes[0] if notes else ""}
@@ -303,8 +333,8 @@ def report(results: dict, seeds: list[int], turns: float = 0.0) -> None:
               f"machine slows either side in bursts): {', '.join(f'{r:.2f}x' for r in fast)}")
         if turns:
             paired = [cycle_ratios(n, o) for n, o in zip(nanos, runs)]
-            print("  tokens/s ratio cycle by cycle (in each cycle of turns, nanoGPT's median step over ours; the "
-                  "median over the cycles, their 10th-90th percentile): " + ", ".join(
+            print("  tokens/s ratio cycle by cycle (ours over nanoGPT's, each side's mean step time in its turn of "
+                  "the cycle; the median over the cycles both ran steps in, their count, 10th-90th percentile): " + ", ".join(
                       f"{statistics.median(c):.2f}x over {len(c)} ({pct(c, 0):.2f}-{pct(c, -1):.2f})" for c in paired))
 
 
@@ -312,8 +342,10 @@ def cycle_ratios(nano: dict, ours: dict) -> list[float]:
     """Per cycle of turns that both sides ran steps in: the ratio of their tokens/s in it, the two
     measured seconds apart, so a change of the machine's speed between cycles cancels."""
     both = sorted(nano["cycles"].keys() & ours["cycles"].keys())
-    return [statistics.median(nano["cycles"][c]) * ours["tokens_per_step"]
-            / (statistics.median(ours["cycles"][c]) * nano["tokens_per_step"]) for c in both]
+    if not both:
+        raise SystemExit("no cycle of turns had steps of both sides; give a longer --turns")
+    return [statistics.mean(nano["cycles"][c]) * ours["tokens_per_step"]
+            / (statistics.mean(ours["cycles"][c]) * nano["tokens_per_step"]) for c in both]
 
 
 def pct(values: list[float], which: int) -> float:
@@ -343,6 +375,9 @@ def main() -> None:
                          "default 0: one after the other")
     ap.add_argument("overrides", nargs="*", help="config overrides for main.py (e.g. a preset's speed settings)")
     args = ap.parse_args()
+    if args.turns < 0 or 0 < args.turns < MIN_TURN_S:
+        ap.exit(2, f"error: --turns must be 0 (one after the other) or at least {MIN_TURN_S:g} s: a turn keeps only "
+                   f"the {WINDOW}-step windows wholly inside it, and one takes up to 0.5 s here\n")
     print(cpu_line(), flush=True)
     text = CORPUS.read_text(encoding="utf-8")
     val_text, chars = text[int(len(text) * 0.9):], sorted(set(text))  # nanoGPT's split and vocabulary
@@ -360,7 +395,7 @@ def main() -> None:
             rows = [nanogpt_rows] + [lambda _, run=our_run(folder, f"ours{i}", seed): our_rows(run)
                                      for i in range(len(sides))]
             finished = run_processes(commands, args.threads, args.turns, rows)
-            nano = nanogpt_result(finished[0], scratch, seed)
+            nano = nanogpt_result(finished[0], scratch, seed, eval_interval(args.steps))
             nano["val"] = nanogpt_val_loss(scratch, nano["ckpt"], val_text, chars)
             results["nanoGPT"].append(nano)
             for i, (name, r) in enumerate(zip(sides, finished[1:])):
