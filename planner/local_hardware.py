@@ -49,10 +49,15 @@ def _rank_threads():
         torch.set_num_threads(previous)
 
 
+def cache_key() -> str:
+    """This machine's key in the cache, at the threads a rank runs with."""
+    with _rank_threads():
+        return machine_fingerprint("local hardware")
+
+
 def holds_this_machine(path: Path) -> bool:
     """Does the cache file at `path` hold this machine's figures (its key, at a rank's threads)?"""
-    with _rank_threads():
-        return machine_fingerprint("local hardware") in _read(path)
+    return cache_key() in _read(path)
 
 
 def local_figures(precision: str, measure: Callable[[], dict] | None = None) -> dict:
@@ -70,7 +75,7 @@ def local_figures(precision: str, measure: Callable[[], dict] | None = None) -> 
 def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
     threads = torch.get_num_threads()
     per_node = max(1, len(os.sched_getaffinity(0)) // threads)
-    key = machine_fingerprint("local hardware")
+    key = cache_key()
     path = cache_path()
     cached = _read(path).get(key)
     how = f"cached in {path}"

@@ -97,16 +97,21 @@ def setting():
     return s, nano, shape
 
 
-def our_trainer(tmp_path: Path, attention: str = "sdpa"):
-    cfg = load_config(str(REPO / "presets" / "cpu_fast.yaml"), [
+def our_config(tmp_path: Path, attention: str = "sdpa"):
+    """The preset at fp32, eager, with the given attention kernel."""
+    return load_config(str(REPO / "presets" / "cpu_fast.yaml"), [
         f"data.path={CORPUS}", f"trainer.run_dir={tmp_path}", "wandb.enabled=false", "trainer.precision=fp32",
         "trainer.compile=false", "trainer.compile_scope=blocks", f"trainer.attention={attention}"])
+
+
+def our_trainer(tmp_path: Path, attention: str = "sdpa"):
+    cfg = our_config(tmp_path, attention)
     return cfg, build_trainer(cfg, init_distributed(cfg), tmp_path)
 
 
 def test_the_preset_is_nanogpts_recipe(setting, tmp_path):
     s, _, shape = setting
-    cfg, _ = our_trainer(tmp_path)
+    cfg = our_config(tmp_path)
     m, t, o = cfg.model, cfg.trainer, cfg.optimizer
     assert {k: getattr(m, k) for k in shape} == shape
     assert (t.batch_size, t.max_steps, t.grad_clip, t.eval_every) == (

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from observe.perf import machine_fingerprint
+from planner.local_hardware import UNCALIBRATED, cache_key
 from testing.local import REPO
 
 
@@ -20,18 +19,7 @@ def grid(monkeypatch, tmp_path):
     return step_time_grid
 
 
-def key() -> str:
-    """This machine's key at one thread per rank, as planner/local_hardware.py writes it."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return machine_fingerprint("local hardware")
-    finally:
-        torch.set_num_threads(previous)
-
-
 def figures(efficiency: float) -> dict:
-    from planner.local_hardware import UNCALIBRATED
     return {**UNCALIBRATED, "compute_efficiency": efficiency}
 
 
@@ -40,7 +28,7 @@ def test_a_replan_uses_the_shape_s_own_calibration_on_this_machine(grid, tmp_pat
     replan, and the environment is left as it was."""
     folder = tmp_path / "out" / "calibration-B"
     folder.mkdir(parents=True)
-    (folder / "local-hardware.json").write_text(json.dumps({key(): figures(0.61)}))
+    (folder / "local-hardware.json").write_text(json.dumps({cache_key(): figures(0.61)}))
     (folder / "peak-flops.json").write_text("{}")
     monkeypatch.setattr(grid, "measure_local", lambda: pytest.fail("a replan measured"))
     monkeypatch.setattr("planner.local_hardware.cpu_peak", lambda dtype: (1e11, "test"))
@@ -58,7 +46,7 @@ def test_another_machine_s_calibration_falls_back_to_this_machine_s_figures(grid
     (folder / "local-hardware.json").write_text(theirs)
     mine = tmp_path / "machine"
     mine.mkdir()
-    (mine / "local-hardware.json").write_text(json.dumps({key(): figures(0.77)}))
+    (mine / "local-hardware.json").write_text(json.dumps({cache_key(): figures(0.77)}))
     monkeypatch.setattr(grid, "measure_local", lambda: pytest.fail("a replan measured"))
     monkeypatch.setattr("planner.local_hardware.cpu_peak", lambda dtype: (1e11, "test"))
     hw = grid.shape_hardware(tmp_path / "out", "B", calibrate=False)
