@@ -4,6 +4,7 @@ measured median step / predicted step (planner/timing.py on `--hardware local`) 
     python benchmarks/step_time_grid.py --out /tmp/grid                  # measure every shape, then compare
     python benchmarks/step_time_grid.py --out /tmp/grid --shapes A,C     # measure only these
     python benchmarks/step_time_grid.py --out /tmp/grid --replan         # compare again, measuring nothing
+    python benchmarks/step_time_grid.py --out /tmp/grid3 --median-of /tmp/g1 /tmp/g2 /tmp/g3   # each row's median
 
 Each shape is one torchrun launch of benchmarks/strategy_report.py's worker (the same warm-up, the same
 median of REPEATS runs of at least STEPS steps and MIN_RUN_MS ms, barrier to barrier), right after
@@ -16,6 +17,11 @@ cores. Shapes marked `fit` are those whose ddp, pp and cp-ring rows
 chose the form of the compute's element-wise term (a regression of their residuals, docs/planner.md);
 its constant, like every local figure, is calibrated by tools/calibrate.py, not fitted on this grid,
 and the other shapes are held out. Prints (and writes OUT/grid.md) one table with the CPU's model and instruction sets beside it.
+
+`--median-of` reads grids measured one after the other into their own folders and gives each row
+the median of its ratios, each priced by its own grid's calibration: on this shared VM the same row
+measures up to 1.4x apart between grids a quarter hour apart, so one grid cannot tell a row the
+model misses from a minute the machine was slow; a row whose median is outside the bar is a miss.
 """
 from __future__ import annotations
 
@@ -165,6 +171,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help=f"comma-separated shape names (default all: "
                     f"{','.join(s.name for s in SHAPES)})")
     ap.add_argument("--replan", action="store_true", help="measure nothing: compare the kept measurements again")
+    ap.add_argument("--median-of", nargs="+", metavar="GRID", default=[],
+                    help="measure nothing: each row's median ratio over the grids measured into these folders "
+                         "(each priced by its own calibrations), written to OUT/grid.md")
     args = ap.parse_args()
     known = {s.name: s for s in SHAPES}
     names = [x.strip() for x in args.shapes.split(",") if x.strip()] or list(known)
@@ -172,10 +181,16 @@ def main() -> None:
         ap.exit(2, f"error: unknown shape(s) {unknown}; choose from {sorted(known)}\n")
     if args.steps < 1 or args.repeats < 1 or args.min_run_ms < 0:
         ap.exit(2, "error: --steps and --repeats must be >= 1, --min-run-ms >= 0\n")
+    if missing := [d for d in args.median_of if not any(Path(d).glob("measured-*.json"))]:
+        ap.exit(2, f"error: no measured-<shape>.json in {', '.join(missing)}; measure each grid first "
+                   f"(step_time_grid.py --out FOLDER)\n")
+    if any(Path(d).resolve() == Path(args.out).resolve() for d in args.median_of):
+        ap.exit(2, f"error: --out {args.out} is one of the --median-of grids, whose grid.md it would replace; "
+                   f"give another folder\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(machine_line(), flush=True)
-    for name in names if not args.replan else []:
+    for name in names if not (args.replan or args.median_of) else []:
         shape = known[name]
         cases, _ = sr.fitting(sr.layouts(NPROC), shape.overrides(), NPROC)
         print(f"calibrating, then measuring {name}: {shape.label()}, {len(cases)} layouts", flush=True)
@@ -184,19 +199,81 @@ def main() -> None:
         (out / f"measured-{name}.json").write_text(json.dumps(measured))
         (out / f"timing-{name}.json").write_text(json.dumps({"steps": args.steps, "repeats": args.repeats,
                                                              "min_run_ms": args.min_run_ms}))
-    torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
-    shapes = [known[n] for n in names if (out / f"measured-{n}.json").is_file()]
+    if args.median_of:
+        return write_median(out, [Path(d) for d in args.median_of], [known[n] for n in names])
+    shapes, hws, rows = replan(out, [known[n] for n in names])
     if not shapes:
         ap.exit(2, f"error: no measured-<shape>.json in {out}; run without --replan first\n")
-    hws = {s.name: shape_hardware(out, s.name, calibrate=False) for s in shapes}
-    rows = [r for s in shapes
-            for r in rows_of(s, json.loads((out / f"measured-{s.name}.json").read_text()), hws[s.name])]
     timing = {json.dumps(json.loads(p.read_text())) for p in out.glob("timing-*.json")}
     lines = [machine_line(), *[f"{name}: hardware: {hw.source}; {figures(hw)}" for name, hw in hws.items()], "",
              f"Cells: measured ms / predicted ms = measured / predicted (* outside {BAR:.0%}); the median "
              f"of REPEATS runs of at least STEPS steps and MIN_RUN_MS ms: {', '.join(sorted(timing))}.", ""]
     lines += table(rows, shapes) + [""] + summary(rows)
     (out / "grid.json").write_text(json.dumps({"cpu": machine_line(), "hardware": {n: hw.source for n, hw in hws.items()},
+                                               "rows": rows}, indent=1))
+    (out / "grid.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def replan(out: Path, wanted: list[Shape]) -> tuple[list[Shape], dict, list[dict]]:
+    """The shapes of `wanted` measured in `out`, their hardware (each its own calibration) and rows."""
+    torch.set_num_threads(1)  # the prediction's `local` hardware: one thread per rank, as measured
+    shapes = [s for s in wanted if (out / f"measured-{s.name}.json").is_file()]
+    hws = {s.name: shape_hardware(out, s.name, calibrate=False) for s in shapes}
+    rows = [r for s in shapes
+            for r in rows_of(s, json.loads((out / f"measured-{s.name}.json").read_text()), hws[s.name])]
+    return shapes, hws, rows
+
+
+def median_rows(grids: list[list[dict]]) -> list[dict]:
+    """One row per (shape, layout) measured in every grid: the median of its ratios (each grid's row
+    priced by that grid's own calibration), their range, and the medians of the measured and
+    predicted steps. A row measured in only some grids is left out: its median would weigh fewer
+    passes."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for rows in grids:
+        for r in rows:
+            by.setdefault((r["shape"], r["layout"]), []).append(r)
+    out = []
+    for (shape, layout), rs in by.items():
+        if len(rs) < len(grids):
+            continue
+        out.append({"shape": shape, "layout": layout, "fit": rs[0]["fit"],
+                    "ratio": statistics.median(r["ratio"] for r in rs), "ratios": [r["ratio"] for r in rs],
+                    "measured_ms": statistics.median(r["measured_ms"] for r in rs),
+                    "predicted_ms": statistics.median(r["predicted_ms"] for r in rs)})
+    return out
+
+
+def median_table(rows: list[dict], shapes: list[Shape]) -> list[str]:
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    cell = {(r["shape"], r["layout"]): r for r in rows}
+    head = "| layout | " + " | ".join(f"{s.name}: {s.label()}{' (fit)' if s.fit else ''}" for s in shapes) + " |"
+    out = [head, "|---" * (len(shapes) + 1) + "|"]
+    for name in layouts:
+        cells = []
+        for s in shapes:
+            r = cell.get((s.name, name))
+            cells.append("-" if r is None else f"{r['ratio']:.2f}{'' if abs(r['ratio'] - 1) <= BAR else ' *'} "
+                         f"({min(r['ratios']):.2f}-{max(r['ratios']):.2f})")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def write_median(out: Path, folders: list[Path], wanted: list[Shape]) -> None:
+    """OUT/grid.md and grid.json: each row's median ratio over the grids measured into `folders`
+    (each an --out of its own run, priced by its own calibrations), beside each grid's own count."""
+    per_grid = [replan(f, wanted) for f in folders]
+    shapes = [s for s in wanted if all(s in got[0] for got in per_grid)]
+    rows = median_rows([[r for r in got[2] if r["shape"] in {s.name for s in shapes}] for got in per_grid])
+    lines = [machine_line(), "", f"Cells: the median of measured / predicted over {len(folders)} grids, each row "
+             f"priced by its own grid's calibration of that shape (* the median outside {BAR:.0%}), and the "
+             f"range over the grids.", ""]
+    for f, (_, _, grid_rows) in zip(folders, per_grid):
+        inside = [r for r in grid_rows if r["shape"] in {s.name for s in shapes}]
+        lines.append(f"- {f}: {sum(abs(r['ratio'] - 1) > BAR for r in inside)} of {len(inside)} rows outside {BAR:.0%}")
+    lines += ["", *median_table(rows, shapes), "", *summary(rows)]
+    (out / "grid.json").write_text(json.dumps({"cpu": machine_line(), "grids": [str(f) for f in folders],
                                                "rows": rows}, indent=1))
     (out / "grid.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

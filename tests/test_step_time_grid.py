@@ -3,6 +3,7 @@ measured, and a replan on another machine by that machine's own figures."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,61 @@ def test_another_machine_s_calibration_falls_back_to_this_machine_s_figures(grid
     hw = grid.shape_hardware(tmp_path / "out", "B", calibrate=False)
     assert hw.compute_efficiency == 0.77
     assert (folder / "local-hardware.json").read_text() == theirs
+
+
+def row(shape: str, layout: str, ratio: float, fit: bool = True) -> dict:
+    return {"shape": shape, "layout": layout, "fit": fit, "ratio": ratio, "measured_ms": 10 * ratio, "predicted_ms": 10.0}
+
+
+def test_each_row_takes_the_median_of_its_grids(grid):
+    """A row slow in one grid of three (a slow minute) is inside at its median; one outside in two
+    of three is outside; a row some grid did not measure is left out rather than judged on fewer."""
+    grids = [[row("A", "ddp dp2", 1.45), row("A", "tp2", 0.70), row("B", "ddp dp2", 1.0, fit=False)],
+             [row("A", "ddp dp2", 1.05), row("A", "tp2", 0.75), row("B", "ddp dp2", 1.1, fit=False)],
+             [row("A", "ddp dp2", 1.10), row("A", "tp2", 0.95)]]
+    rows = {(r["shape"], r["layout"]): r for r in grid.median_rows(grids)}
+    assert set(rows) == {("A", "ddp dp2"), ("A", "tp2")}
+    assert rows["A", "ddp dp2"]["ratio"] == 1.10 and rows["A", "ddp dp2"]["ratios"] == [1.45, 1.05, 1.10]
+    assert rows["A", "ddp dp2"]["measured_ms"] == pytest.approx(11.0) and rows["A", "tp2"]["ratio"] == 0.75
+    shape_a = next(s for s in grid.SHAPES if s.name == "A")
+    table = grid.median_table(list(rows.values()), [shape_a])
+    assert table[2] == "| ddp dp2 | 1.10 (1.05-1.45) |" and table[3] == "| tp2 | 0.75 * (0.70-0.95) |"
+    assert grid.summary(list(rows.values()))[0] == "fit: 2 rows, 1 outside 20%, median ratio 0.93, range 0.75-1.10"
+
+
+def test_median_of_grids_prices_each_by_its_own_calibration(grid, tmp_path, monkeypatch, capsys):
+    """--median-of replans each folder with its own calibration-<shape>/ figures (a faster
+    calibration in one folder lowers only that folder's predictions) and writes OUT/grid.md; a
+    folder holding no measurement is refused in one line, exit 2, before anything is written."""
+    monkeypatch.setattr(grid, "measure_local", lambda: pytest.fail("a replan measured"))
+    monkeypatch.setattr("planner.local_hardware.cpu_peak", lambda dtype: (1e11, "test"))
+    measured = json.loads((REPO / "docs" / "grid-n2" / "measured-A.json").read_text())
+    folders = []
+    for i, efficiency in enumerate((0.5, 0.5, 0.9)):
+        folder = tmp_path / f"g{i}"
+        (folder / "calibration-A").mkdir(parents=True)
+        (folder / "calibration-A" / "local-hardware.json").write_text(json.dumps({cache_key(): figures(efficiency)}))
+        (folder / "calibration-A" / "peak-flops.json").write_text("{}")
+        (folder / "measured-A.json").write_text(json.dumps(measured))
+        folders.append(str(folder))
+    out = tmp_path / "median"
+    monkeypatch.setattr(grid.sys, "argv", ["step_time_grid.py", "--out", str(out), "--shapes", "A", "--median-of", *folders])
+    grid.main()
+    got = json.loads((out / "grid.json").read_text())
+    ddp = next(r for r in got["rows"] if r["layout"] == "ddp dp2")
+    low, _, high = sorted(ddp["ratios"])
+    assert ddp["ratios"][0] == ddp["ratios"][1] == ddp["ratio"] == low and ddp["ratios"][2] == high > low
+    assert "over 3 grids" in (out / "grid.md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setattr(grid.sys, "argv", ["step_time_grid.py", "--out", str(tmp_path / "x"), "--median-of", str(empty)])
+    with pytest.raises(SystemExit) as e:
+        grid.main()
+    assert e.value.code == 2 and "no measured-<shape>.json in" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    before = (out / "grid.md").read_text()
+    monkeypatch.setattr(grid.sys, "argv", ["step_time_grid.py", "--out", folders[0], "--median-of", *folders])
+    with pytest.raises(SystemExit) as e:
+        grid.main()
+    assert e.value.code == 2 and "is one of the --median-of grids" in capsys.readouterr().err
+    assert not (Path(folders[0]) / "grid.md").exists() and (out / "grid.md").read_text() == before
