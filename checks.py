@@ -15,6 +15,7 @@ from config import (
     ATTENTION_KERNELS,
     COMPILE_SCOPES,
     CP_MODES,
+    HOST_MEMORY,
     PP_SCHEDULES,
     PRECISIONS,
     STRATEGY_NAMES,
@@ -108,6 +109,7 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _choice("trainer.resume", t.resume, ("auto", "never", "require"))
     _choice("trainer.precision", t.precision, TRAINER_PRECISIONS)
     _choice("trainer.attention", t.attention, ATTENTION_KERNELS)
+    _choice("trainer.host_memory", t.host_memory, HOST_MEMORY)
     _choice("trainer.compile_scope", t.compile_scope, COMPILE_SCOPES)
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     profile_window(t.profile)

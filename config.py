@@ -36,6 +36,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # trainer.precision also takes auto: the fastest the device has, chosen at launch (parallel/precision.py)
 TRAINER_PRECISIONS = (*PRECISIONS, "auto")
 ATTENTION_KERNELS = ("sdpa", "matmul")  # trainer.attention: model.py causal_attention, matmul_attention
+HOST_MEMORY = ("lean", "reuse")  # trainer.host_memory: observe/host_memory.py
 COMPILE_SCOPES = ("blocks", "model")  # trainer.compile_scope: parallel/parallelize.py step 4
 # the values of parallel.cp_mode: how the cp ranks of one sequence see each other's keys and values
 CP_MODES = ("ring", "allgather")
@@ -110,6 +111,7 @@ class TrainerConfig:
     compile: bool = False
     compile_scope: str = "blocks"  # blocks | model (COMPILE_SCOPES): what trainer.compile compiles as one graph
     attention: str = "sdpa"  # sdpa | matmul (ATTENTION_KERNELS)
+    host_memory: str = "lean"  # lean | reuse (HOST_MEMORY): glibc returns or keeps the steps' freed blocks
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     device: str = "auto"  # auto | cpu | cuda
     sample_tokens: int = 200  # length of the text sample written at the end (0 = none)

@@ -35,6 +35,7 @@ from launch.stopping import (
     training_began,
     training_progress,
 )
+from observe.host_memory import reuse_step_memory
 from observe.profiling import profile_note
 from observe.step_metrics import RunSummary
 from parallel.env import DistEnv, cpu_devices, init_distributed, local_world_size, shutdown
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
                 return 0
             _start(args, cfg, env, trainer, run_dir, auto_lines + ([schedule_note] if schedule_note else []))
             training_began(lambda: (trainer.step, trainer.last_snapshot))
-            summary = train_until_stopped(trainer)
+            with reuse_step_memory(cfg.trainer.host_memory == "reuse"):  # built and loaded lean either way
+                summary = train_until_stopped(trainer)
         if summary.stopped:
             trainer.close_tracker()
             if trainer.strategy.is_tracker:

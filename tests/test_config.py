@@ -155,6 +155,7 @@ BAD_INPUTS = {
     "grad_clip": (["trainer.grad_clip=-1"], "trainer.grad_clip must be >= 0"),
     "peak_flops": (["trainer.peak_flops=-1"], "trainer.peak_flops must be >= 0"),
     "attention": (["trainer.attention=flash"], "trainer.attention='flash' is not one of sdpa, matmul"),
+    "host_memory": (["trainer.host_memory=keep"], "trainer.host_memory='keep' is not one of lean, reuse"),
     "compile_scope": (["trainer.compile_scope=all"], "trainer.compile_scope='all' is not one of blocks, model"),
     "compile_scope=model without compile": (["trainer.compile_scope=model", "parallel.strategy=none"],
                                             "compiles nothing without trainer.compile=true"),
