@@ -21,7 +21,9 @@ warm-up step:
   CUDA the allocator's max_memory_allocated), beside the planned peak;
 - REPEATS runs of at least STEPS steps timed with nothing attached, each run at least MIN_RUN_MS long
   (the steps per run set from one timed step, the same on every rank: on a shared 2-core machine a
-  run of 2 steps of 15 ms is shorter than the scheduler's bursts): step time (the median run), tokens/s,
+  run of 2 steps of 15 ms is shorter than the scheduler's bursts), under `trainer.host_memory=reuse`
+  (MODEL: the time model prices steps that reuse their memory; the default, lean, maps each large
+  temporary afresh every step: 1.17-1.48x the plan at 4 x 256): step time (the median run), tokens/s,
   the predicted step time (planner/timing.py on `--hardware local`, what `--plan` ranks by), the pipeline bubble (1 - the stage's
   compute time / the schedule step's time, mean over ranks) and the bytes the loopback interface
   transmitted per step (every rank's traffic, TCP/IP headers included; approximate when anything
@@ -36,6 +38,7 @@ are config overrides of the report's model (MODEL below).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -55,6 +58,7 @@ import planner
 from checks import load_config
 from config import UsageError
 from launch.errors import reject_dashed_overrides
+from observe.host_memory import return_large_frees, reuse_step_memory
 from planner.hardware import Hardware
 from testing.local import CORPUS, torchrun_until
 from tools.calibrate import measure_local
@@ -77,7 +81,10 @@ matplotlib.use("Agg")  # files only, no display (pyplot switches to it: no figur
 MODEL = [f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=8", "model.n_head=4", "model.n_embd=64",
          "model.block_size=32", "model.dropout=0.0", "trainer.batch_size=16", "trainer.micro_batch_size=0",
          "trainer.eval_every=1000", "trainer.save_every=0", "trainer.sample_tokens=0", "trainer.resume=never",
-         "trainer.device=cpu", "wandb.enabled=false"]
+         "trainer.device=cpu", "wandb.enabled=false",
+         # the time model prices steps that reuse their memory: lean's fresh mappings are not in it
+         # (1.17-1.48x the plan at 4 x 256 on 2 processes, docs/planner.md)
+         "trainer.host_memory=reuse"]
 MEMORY = ("params", "grads", "optimizer", "activations_per_microbatch")
 KINDS = PLANNED_KINDS
 MEMORY_BAR, BYTES_BAR, TIME_BAR = 0.05, 0.02, 0.20
@@ -156,8 +163,11 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int
     counter = CollectiveCounter()
     # what the process really holds, seen from before the model exists (every tensor's allocation),
     # through the third step: not the measured one, whose SavedBytes keeps every saved tensor alive
+    stepping = contextlib.ExitStack()  # from the first step to the last timed one, below
     with HeldPeak(env.device) as held:
         trainer = build_trainer(cfg, env, run_dir)
+        # built lean, its steps as trainer.host_memory says, as main.py runs (observe/host_memory.py)
+        stepping.enter_context(reuse_step_memory(cfg.trainer.host_memory == "reuse"))
         s = trainer.strategy
         for _ in range(2):  # warm-up: a pipeline infers its shapes, DDP rebuilds its buckets (a broadcast)
             trainer.train_step()
@@ -193,6 +203,7 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int
             trainer.train_step()
         dist.barrier()
         chunks.append((time.perf_counter() - t0) / steps)
+    stepping.close()  # glibc back to returning large frees, the kept memory trimmed: the next layout builds lean
     seconds, wire = statistics.median(chunks), (loopback_tx_bytes() - wire0) / (steps * repeats)
     mine = {**memory, "activations_per_microbatch": saved.nbytes // s.layout.microbatches,
             "held_start": held.start, "held_peak": held.peak,
@@ -211,6 +222,7 @@ def worker(args) -> None:
 
     results = {}
     tmp = Path(tempfile.mkdtemp(prefix="strategy-report-"))
+    return_large_frees()  # as main.py starts (observe/host_memory.py)
     for i, (name, overrides) in enumerate(args.case):
         results[name] = measure_layout(overrides.split(), tmp / f"run{i}", args.steps, args.repeats,
                                        args.min_run_ms / 1000)
