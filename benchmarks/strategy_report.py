@@ -23,7 +23,7 @@ warm-up step:
   (the steps per run set from one timed step, the same on every rank: on a shared 2-core machine a
   run of 2 steps of 15 ms is shorter than the scheduler's bursts), under `trainer.host_memory=reuse`
   (MODEL: the time model prices steps that reuse their memory; the default, lean, maps each large
-  temporary afresh every step: 1.17-1.48x the plan at 4 x 256): step time (the median run), tokens/s,
+  temporary afresh every step: 1.29-1.48x the plan at 4 x 256): step time (the median run), tokens/s,
   the predicted step time (planner/timing.py on `--hardware local`, what `--plan` ranks by), the pipeline bubble (1 - the stage's
   compute time / the schedule step's time, mean over ranks) and the bytes the loopback interface
   transmitted per step (every rank's traffic, TCP/IP headers included; approximate when anything
@@ -83,7 +83,7 @@ MODEL = [f"data.path={CORPUS}", "data.truncate=200000", "model.n_layer=8", "mode
          "trainer.eval_every=1000", "trainer.save_every=0", "trainer.sample_tokens=0", "trainer.resume=never",
          "trainer.device=cpu", "wandb.enabled=false",
          # the time model prices steps that reuse their memory: lean's fresh mappings are not in it
-         # (1.17-1.48x the plan at 4 x 256 on 2 processes, docs/planner.md)
+         # (1.29-1.48x the plan at 4 x 256 on 2 processes, docs/planner.md)
          "trainer.host_memory=reuse"]
 MEMORY = ("params", "grads", "optimizer", "activations_per_microbatch")
 KINDS = PLANNED_KINDS
