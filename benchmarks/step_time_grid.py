@@ -181,6 +181,8 @@ def main() -> None:
         ap.exit(2, f"error: unknown shape(s) {unknown}; choose from {sorted(known)}\n")
     if args.steps < 1 or args.repeats < 1 or args.min_run_ms < 0:
         ap.exit(2, "error: --steps and --repeats must be >= 1, --min-run-ms >= 0\n")
+    if args.median_of and len({Path(d).resolve() for d in args.median_of}) < 2:
+        ap.exit(2, "error: --median-of needs at least two different grid folders\n")
     if missing := [d for d in args.median_of if not any(Path(d).glob("measured-*.json"))]:
         ap.exit(2, f"error: no measured-<shape>.json in {', '.join(missing)}; measure each grid first "
                    f"(step_time_grid.py --out FOLDER)\n")
@@ -265,13 +267,17 @@ def write_median(out: Path, folders: list[Path], wanted: list[Shape]) -> None:
     (each an --out of its own run, priced by its own calibrations), beside each grid's own count."""
     per_grid = [replan(f, wanted) for f in folders]
     shapes = [s for s in wanted if all(s in got[0] for got in per_grid)]
+    if not shapes:
+        sys.exit(f"error: no shape of {', '.join(s.name for s in wanted)} was measured in every grid; "
+                 f"give grids that share shapes, or --shapes to choose them")
     rows = median_rows([[r for r in got[2] if r["shape"] in {s.name for s in shapes}] for got in per_grid])
     lines = [machine_line(), "", f"Cells: the median of measured / predicted over {len(folders)} grids, each row "
              f"priced by its own grid's calibration of that shape (* the median outside {BAR:.0%}), and the "
              f"range over the grids.", ""]
-    for f, (_, _, grid_rows) in zip(folders, per_grid):
+    for f, (_, hws, grid_rows) in zip(folders, per_grid):
         inside = [r for r in grid_rows if r["shape"] in {s.name for s in shapes}]
         lines.append(f"- {f}: {sum(abs(r['ratio'] - 1) > BAR for r in inside)} of {len(inside)} rows outside {BAR:.0%}")
+        lines += [f"  - {name}: {hw.source}" for name, hw in hws.items() if name in {s.name for s in shapes}]
     lines += ["", *median_table(rows, shapes), "", *summary(rows)]
     (out / "grid.json").write_text(json.dumps({"cpu": machine_line(), "grids": [str(f) for f in folders],
                                                "rows": rows}, indent=1))

@@ -163,7 +163,9 @@ def measure_layout(overrides: list[str], run_dir: Path, steps: int, repeats: int
     counter = CollectiveCounter()
     # what the process really holds, seen from before the model exists (every tensor's allocation),
     # through the third step: not the measured one, whose SavedBytes keeps every saved tensor alive
-    stepping = contextlib.ExitStack()  # from the first step to the last timed one, below
+    # from the first step to the last timed one, closed below (an error ends the worker's process,
+    # glibc's setting with it)
+    stepping = contextlib.ExitStack()
     with HeldPeak(env.device) as held:
         trainer = build_trainer(cfg, env, run_dir)
         # built lean, its steps as trainer.host_memory says, as main.py runs (observe/host_memory.py)

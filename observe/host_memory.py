@@ -95,12 +95,17 @@ def _mallopt():
 def reuse_step_memory(enabled: bool = True):
     """trainer.host_memory=reuse (`enabled`). Inside: glibc keeps freed blocks below
     STEP_MMAP_THRESHOLD in the heap and never trims it below STEP_TRIM_THRESHOLD, so each step
-    reuses the last one's memory instead of faulting fresh pages in. After: back to
-    return_large_frees's setting, and the kept memory returned (malloc_trim). Nothing changes where
-    return_large_frees would not (the same exceptions)."""
+    reuses the last one's memory instead of faulting fresh pages in. After: lean, return_large_frees's
+    setting (main.py's from its start, whatever the process had before), and the kept memory
+    returned (malloc_trim). Nothing changes where return_large_frees would not (the same
+    exceptions), nor where glibc refuses the 32 MiB threshold (it takes at most 32 MiB on 64-bit
+    Linux, less on 32-bit): then the trim threshold goes back too."""
     mallopt = _mallopt() if enabled else None
-    if mallopt is None or not (mallopt(_M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD) == 1
-                               and mallopt(_M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD) == 1):
+    if mallopt is None:
+        yield
+        return
+    if mallopt(_M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD) != 1 or mallopt(_M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD) != 1:
+        mallopt(_M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
         yield
         return
     try:

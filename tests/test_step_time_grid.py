@@ -100,11 +100,21 @@ def test_median_of_grids_prices_each_by_its_own_calibration(grid, tmp_path, monk
     assert "over 3 grids" in (out / "grid.md").read_text()
     empty = tmp_path / "empty"
     empty.mkdir()
-    monkeypatch.setattr(grid.sys, "argv", ["step_time_grid.py", "--out", str(tmp_path / "x"), "--median-of", str(empty)])
+    monkeypatch.setattr(grid.sys, "argv", ["step_time_grid.py", "--out", str(tmp_path / "x"), "--median-of", str(empty), folders[0]])
     with pytest.raises(SystemExit) as e:
         grid.main()
     assert e.value.code == 2 and "no measured-<shape>.json in" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+    assert "calibration-A" in (out / "grid.md").read_text()  # each grid's figures named, its own folder
+    for argv, says in ((["--median-of", folders[0], folders[0]], "at least two different grid folders"),
+                       (["--shapes", "B", "--median-of", *folders], None)):
+        monkeypatch.setattr(grid.sys, "argv", ["step_time_grid.py", "--out", str(tmp_path / "y"), *argv])
+        with pytest.raises(SystemExit) as e:
+            grid.main()
+        if says:
+            assert e.value.code == 2 and says in capsys.readouterr().err
+        else:  # no grid measured B: one line, no table
+            assert "no shape of B was measured in every grid" in str(e.value.code)
     before = (out / "grid.md").read_text()
     monkeypatch.setattr(grid.sys, "argv", ["step_time_grid.py", "--out", folders[0], "--median-of", *folders])
     with pytest.raises(SystemExit) as e:
