@@ -129,17 +129,25 @@ def rows_of(shape: Shape, measured: dict, hw) -> list[dict]:
     return out
 
 
-def table(rows: list[dict], shapes: list[Shape]) -> list[str]:
+def grid_cell(r: dict) -> str:
+    """One grid's row: measured ms / predicted ms = ratio (* outside the bar)."""
+    return f"{r['measured_ms']:.1f} / {r['predicted_ms']:.1f} = {r['ratio']:.2f}{'' if abs(r['ratio'] - 1) <= BAR else ' *'}"
+
+
+def median_cell(r: dict) -> str:
+    """A row over several grids: the median ratio (* outside the bar) and the grids' range."""
+    return (f"{r['ratio']:.2f}{'' if abs(r['ratio'] - 1) <= BAR else ' *'} "
+            f"({min(r['ratios']):.2f}-{max(r['ratios']):.2f})")
+
+
+def table(rows: list[dict], shapes: list[Shape], cell=grid_cell) -> list[str]:
+    """A markdown table: a row per layout, a column per shape, each cell `cell(row)` ("-": not measured)."""
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
-    cell = {(r["shape"], r["layout"]): r for r in rows}
+    by = {(r["shape"], r["layout"]): r for r in rows}
     head = "| layout | " + " | ".join(f"{s.name}: {s.label()}{' (fit)' if s.fit else ''}" for s in shapes) + " |"
     out = [head, "|---" * (len(shapes) + 1) + "|"]
     for name in layouts:
-        cells = []
-        for s in shapes:
-            r = cell.get((s.name, name))
-            cells.append("-" if r is None else f"{r['measured_ms']:.1f} / {r['predicted_ms']:.1f} = "
-                         f"{r['ratio']:.2f}{'' if abs(r['ratio'] - 1) <= BAR else ' *'}")
+        cells = ["-" if (s.name, name) not in by else cell(by[s.name, name]) for s in shapes]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return out
 
@@ -248,18 +256,7 @@ def median_rows(grids: list[list[dict]]) -> list[dict]:
 
 
 def median_table(rows: list[dict], shapes: list[Shape]) -> list[str]:
-    layouts = list(dict.fromkeys(r["layout"] for r in rows))
-    cell = {(r["shape"], r["layout"]): r for r in rows}
-    head = "| layout | " + " | ".join(f"{s.name}: {s.label()}{' (fit)' if s.fit else ''}" for s in shapes) + " |"
-    out = [head, "|---" * (len(shapes) + 1) + "|"]
-    for name in layouts:
-        cells = []
-        for s in shapes:
-            r = cell.get((s.name, name))
-            cells.append("-" if r is None else f"{r['ratio']:.2f}{'' if abs(r['ratio'] - 1) <= BAR else ' *'} "
-                         f"({min(r['ratios']):.2f}-{max(r['ratios']):.2f})")
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    return out
+    return table(rows, shapes, median_cell)
 
 
 def write_median(out: Path, folders: list[Path], wanted: list[Shape]) -> None:
