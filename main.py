@@ -36,6 +36,7 @@ from launch.stopping import (
     die_by,
     interrupted_line,
     launch_command,
+    launch_returned,
     raise_interrupted,
     stop_while_loading,
     training_progress,
@@ -165,6 +166,7 @@ def main(argv=None, keep_process_group: bool = False) -> int:
     try:
         code = record(launch, error_handler=OneLineErrors())(sys.argv[1:] if argv is None else argv,
                                                               keep_process_group)
+        launch_returned()  # a signal from here on ends the process without a line (stop_while_loading)
         return 0 if code is None else code  # record() turns argparse's SystemExit(0) (--help) into None
     except Interrupted as e:  # launch/app.py reports it once the config exists; before that, here
         if int(os.environ.get("RANK", "0")) == 0 and not e.reported:

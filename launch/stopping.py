@@ -24,11 +24,22 @@ TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 # snapshot). A stop signal that arrives after an error left the loop, while the launch unwinds,
 # is reported with it (main.py) instead of as a start-up.
 _training: Callable[[], tuple[int, object]] | None = None
+# main()'s launch returned (finished, stopped with its own line, or had nothing left to do): a stop
+# signal while the process then ends has nothing to add.
+_returned = False
 
 
 def training_began(progress: Callable[[], tuple[int, object]] | None) -> None:
-    global _training
+    """`progress` once the step loop begins; None as a launch starts (a caller may run several
+    launches in one process), which also forgets that an earlier one returned."""
+    global _training, _returned
     _training = progress
+    _returned = False
+
+
+def launch_returned() -> None:
+    global _returned
+    _returned = True
 
 
 def training_progress() -> tuple[int, object] | None:
@@ -56,12 +67,17 @@ def raise_interrupted(signum, frame) -> None:
 
 def stop_while_loading(signum, frame) -> None:
     """The handler main.py installs before it imports torch (seconds), when nothing of the run
-    exists yet: the one line (rank 0), then end by the signal. It writes with os.write, since the
-    interrupted code may be inside a print of its own (a buffered write is not reentrant)."""
+    exists yet, and again once main() has returned, while the process ends: the one line (rank 0),
+    then end by the signal. After main() it is no start-up: a launch whose step loop began and
+    then failed (a peer killed mid-save: this rank's collective fails, its error unwinds, and
+    torchrun's SIGTERM arrives) is named by its step and newest snapshot; a launch that returned
+    has printed its own last line. It writes with os.write, since the interrupted code may be
+    inside a print of its own (a buffered write is not reentrant)."""
     for sig in STOP_SIGNALS:  # as in raise_interrupted: the agent's forwarded copy must not print twice
         signal.signal(sig, signal.SIG_IGN)
-    if int(os.environ.get("RANK", "0")) == 0:
-        os.write(1, (interrupted_line(signum, launch_command(resume_never=False)) + "\n").encode())
+    if int(os.environ.get("RANK", "0")) == 0 and not _returned:
+        line = interrupted_line(signum, launch_command(resume_never=False), training=training_progress())
+        os.write(1, (line + "\n").encode())
     die_by(signum, flush=False)
 
 

@@ -212,6 +212,47 @@ def test_the_resume_command_is_read_from_torchrun_as_it_was_typed():
     assert torchrun_command(["/usr/sbin/slurmstepd"]) is None
 
 
+# main.py as a shell runs it (`__main__`, its pre-torch handlers), then a SIGTERM to the process once
+# main() has returned: the window in which an erroring torchrun worker unwinds and prints its error
+# while the agent's SIGTERM arrives.
+SIGNAL_AFTER_MAIN = """
+import os, runpy, signal, sys
+sys.argv[0] = "main.py"
+try:
+    runpy.run_path("main.py", run_name="__main__")
+except SystemExit as e:
+    print(f"[test] main.py exited {e.code}", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+@pytest.mark.launch
+def test_a_signal_after_the_launch_ended_is_not_called_a_start_up(tmp_path):
+    """A SIGTERM that lands after main() has returned, while the process ends (a peer killed
+    mid-save: this rank's collective fails, its error unwinds, then torchrun's SIGTERM arrives). A
+    launch that ended by an error after its step loop began: the line names the step it reached
+    and the newest snapshot a relaunch resumes from. A launch that finished: nothing more is said.
+    Either way the process ends by the signal."""
+    def after_main(run: Path, *overrides: str, **env) -> tuple[int, str]:
+        r = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_MAIN, *NAN, "parallel.strategy=none",
+                            f"trainer.run_dir={run}", *overrides],
+                           cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=200)
+        return r.returncode, r.stdout + r.stderr
+
+    failed = tmp_path / "failed"
+    rc, out = after_main(failed, MINGPT_FAULT="nan:update:4:0")  # the weights turn NaN in step 4's update
+    assert rc == -signal.SIGTERM and "\n[test] main.py exited 1\n" in out, out[-4000:]
+    lines = [line for line in out.splitlines() if line.startswith("stopped by")]
+    assert len(lines) == 1 and not START_LINE.search(out), out[-4000:]
+    assert lines[0].startswith(f"stopped by SIGTERM at step 4, outside a step (after an error): the newest "
+                               f"snapshot is {failed / 'snapshots' / 'step_0000002'}; to resume: "), lines
+
+    done = tmp_path / "done"
+    rc, out = after_main(done, "trainer.max_steps=2")
+    assert rc == -signal.SIGTERM and "\n[test] main.py exited 0\n" in out, out[-4000:]
+    assert "done: step 2" in out and "stopped by" not in out, out[-4000:]
+
+
 # ----------------------------------------------------------------------------- non-finite
 
 # log_every=5: step 4 is a save step that is not a log step; keep_snapshots=1, so a NaN snapshot
