@@ -6,6 +6,7 @@ One real `python main.py` and one real `python sample.py`; everything else runs 
 (`main.main([...])`), which costs milliseconds instead of seconds of imports."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -233,3 +234,30 @@ def test_a_warmup_as_long_as_the_run_reaches_the_lr_at_the_last_step_and_the_not
                      "only at the last step and never decays; lower optimizer.warmup_steps (e.g. 1)"], lines
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows if r.get("step") == 4 and "lr" in r] == [pytest.approx(1e-3)], rows
+
+
+@pytest.mark.parametrize("setting", ["lean", "reuse"])
+def test_host_memory_reuse_wraps_the_training_loop_only(setting, tmp_path, monkeypatch, capsys):
+    """trainer.host_memory reaches observe/host_memory.py's reuse_step_memory as launch/app.py
+    enters it: enabled only for `reuse`, entered after the run's first files are written (the model
+    was built and loaded lean) and left after the last step's snapshot, before model.pt is written
+    (the export runs lean). tests/test_host_memory.py shows what the setting does to the heap."""
+    import launch.app
+    seen = []
+
+    @contextlib.contextmanager
+    def recorder(enabled: bool = True):
+        seen.append(("enter", enabled, (run / "config.yaml").exists(), sorted(snapshot_names(run))))
+        yield
+        seen.append(("exit", enabled, (run / "model.pt").exists(), sorted(snapshot_names(run))))
+    monkeypatch.setattr(launch.app, "reuse_step_memory", recorder)
+    run = tmp_path / "run"
+    assert app.main([*TINY, "trainer.max_steps=2", "trainer.sample_tokens=0", f"trainer.host_memory={setting}",
+                     f"trainer.run_dir={run}"]) == 0
+    on = setting == "reuse"
+    assert seen == [("enter", on, True, []), ("exit", on, False, ["step_0000002"])], seen
+    assert (run / "model.pt").exists()
+
+
+def snapshot_names(run: Path) -> list[str]:
+    return [p.name for p in (run / "snapshots").iterdir()] if (run / "snapshots").exists() else []
