@@ -66,7 +66,16 @@ from launch.errors import (
     reject_dashed_overrides,
 )
 from observe.host_memory import return_large_frees
-from planner import default_reserve, fit_advice, load_hardware, parse_bytes, plan, refuse_unpriced, render
+from planner import (
+    default_reserve,
+    fit_advice,
+    host_memory_note,
+    load_hardware,
+    parse_bytes,
+    plan,
+    refuse_unpriced,
+    render,
+)
 from tools.calibrate import measure_local
 from tools.dry_run import dry_run_command
 
@@ -134,6 +143,8 @@ def print_plan(args) -> int:
             raise UsageError(f"--plan-json '{args.plan_json}' cannot be written ({e.strerror}); "
                              f"give a path in a writable folder") from None
     print(render(result, explain=args.explain), flush=True)
+    if note := host_memory_note(cfg.trainer.host_memory, hardware.name):
+        print(note, flush=True)
     return 0
 
 

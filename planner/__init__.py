@@ -32,10 +32,11 @@ from planner.hardware import Hardware, load_hardware
 from planner.inventory import gpt_config, parameter_inventory, vocab_size
 from planner.layout_plan import plan_layout
 from planner.records import Collective, LayoutPlan, Plan, PlannedLayout, RankMemory, StepTime
-from planner.render import render
+from planner.render import host_memory_note, render
 from planner.schedule import inflight_per_stage
 from planner.units import default_reserve, fmt_bytes, numel, parse_bytes
 
 __all__ = ["Collective", "DataParallelChoice", "Hardware", "LayoutPlan", "Plan", "PlannedLayout", "RankMemory",
-           "StepTime", "check_layout", "default_reserve", "fit_advice", "fmt_bytes", "gpt_config", "inflight_per_stage",
-           "load_hardware", "numel", "parameter_inventory", "parse_bytes", "plan", "plan_layout", "refuse_unpriced", "render", "vocab_size"]
+           "StepTime", "check_layout", "default_reserve", "fit_advice", "fmt_bytes", "gpt_config", "host_memory_note",
+           "inflight_per_stage", "load_hardware", "numel", "parameter_inventory", "parse_bytes", "plan", "plan_layout",
+           "refuse_unpriced", "render", "vocab_size"]

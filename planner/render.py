@@ -73,6 +73,18 @@ def render(pl: Plan, explain: bool = False, width: int | None = None) -> str:
     return "\n".join(_fit(line, width) for line in _render(pl, explain, width).split("\n"))
 
 
+def host_memory_note(host_memory: str, hardware_name: str) -> str | None:
+    """On `local` (this CPU) the step times price a step that keeps its freed memory for the next
+    one (trainer.host_memory=reuse: benchmarks/strategy_report.py measures the model so); a config
+    left lean maps its large temporaries afresh and faults them in every step, which no term prices."""
+    if hardware_name != "local" or host_memory == "reuse":
+        return None
+    return (f"note: the step times price a CPU step that keeps its memory (trainer.host_memory=reuse); with "
+            f"trainer.host_memory={host_memory} every freed block of 1 MiB or more goes back to the kernel and is "
+            f"faulted in again each step, measured at 1.29-1.48x the plan (4 x 256, 2 processes: docs/layouts.md); "
+            f"add trainer.host_memory=reuse where host memory is not the limit")
+
+
 def terminal_width() -> int:
     """$COLUMNS when set, else the width of the terminal sys.stdout writes to; not a terminal (a file,
     a pipe, a test's capture): unlimited, one line per row."""

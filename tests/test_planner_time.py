@@ -356,6 +356,28 @@ def test_local_hardware_is_calibrated_with_a_ranks_threads_not_the_shells(monkey
         torch.set_num_threads(before)
 
 
+def test_a_plan_on_this_cpu_says_its_step_times_assume_reuse_when_the_config_is_lean(tmp_path, monkeypatch, capsys):
+    """The local step times price a step that keeps its memory (the model is measured under
+    trainer.host_memory=reuse); a lean config gets one note naming the setting that gives them, a
+    reuse config and a shipped GPU description none."""
+    monkeypatch.setattr(local_hardware, "cpu_peak", lambda precision: (1e11, True))
+    monkeypatch.setattr(local_hardware, "_read", lambda path: {})
+    monkeypatch.setattr(local_hardware, "_store", lambda path, key, figures: None)
+    monkeypatch.setattr(app, "measure_local", lambda: dict(local_hardware.UNCALIBRATED))
+
+    def notes(hardware: str, *overrides: str) -> list[str]:
+        capsys.readouterr()
+        assert app.main(["--plan", "--world-size", "2", "--hardware", hardware, *TINY, f"trainer.run_dir={tmp_path}",
+                         *overrides]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if "trainer.host_memory" in line]
+    lean = notes("local")
+    assert len(lean) == 1 and lean[0].startswith("note: the step times price a CPU step that keeps its memory "
+                                                 "(trainer.host_memory=reuse)"), lean
+    assert lean[0].endswith("add trainer.host_memory=reuse where host memory is not the limit"), lean
+    assert notes("local", "trainer.host_memory=reuse") == []
+    assert notes("h100-sxm") == []
+
+
 @pytest.mark.parametrize("overrides, calls", [
     (("parallel.strategy=ddp",), 0), (("parallel.strategy=zero", "parallel.zero_stage=2"), 1),
     (("parallel.strategy=fsdp",), 1), (("parallel.strategy=none", "parallel.tp=2"), 2),
