@@ -94,7 +94,9 @@ def figures(hw) -> str:
     return (f"figures: {hw.peak('fp32') / 1e9:.1f} GFLOP/s x efficiency {hw.compute_efficiency:.3f}, element-wise "
             f"{hw.elementwise * 1e9:.1f} ns, block {1e3 * hw.block_overhead:.2f} ms, step {1e3 * hw.step_overhead:.2f} ms, "
             f"busy x {hw.busy_node_slowdown:.3f}, split backward {1e3 * hw.split_backward_overhead:.2f} ms + "
-            f"{hw.split_backward_elementwise * 1e9:.1f} ns; " + "; ".join(links))
+            f"{hw.split_backward_elementwise * 1e9:.1f} ns, FSDP2 {1e3 * hw.fsdp_overhead:.2f} ms a block + "
+            f"{hw.fsdp_copy * 1e9:.2f} ns a parameter, DTensor AdamW {hw.dtensor_optimizer_overhead * 1e6:.1f} us a tensor; "
+            + "; ".join(links))
 
 
 def shape_hardware(out: Path, name: str, calibrate: bool):

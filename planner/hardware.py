@@ -83,6 +83,15 @@ class Hardware:
     # where the full backward takes 1.2 ms). Absent: 0, not priced
     split_backward_overhead: float = 0.0
     split_backward_elementwise: float = 0.0
+    # what FSDP2 costs per parameter element it shards, per micro-batch, beyond fsdp_overhead's fixed
+    # cost per block: the copy-in to the all-gather buffer and the copy-out to the unsharded
+    # parameters (forward and backward), the gradients' chunk-cat into the reduce-scatter buffer
+    # (local measures it on the fake process group: tools/calibrate.py). Absent: 0, not priced
+    fsdp_copy: float = 0.0
+    # seconds per parameter tensor per optimizer step that AdamW's fused kernel on DTensor shards
+    # (FSDP2) costs beyond the same kernel on plain tensors: DTensor's dispatch of each tensor list.
+    # Absent: 0, not priced
+    dtensor_optimizer_overhead: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -145,7 +154,8 @@ def hardware_of(raw, where: str) -> Hardware:
                     _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False),
                     _flag(raw, "reduce_scatter_as_all_reduce", where, False), _slowdown(raw, where),
                     links["all_gather_link"], links["reduce_scatter_link"],
-                    *(_optional(raw, key, where) for key in ("split_backward_overhead", "split_backward_elementwise")))
+                    *(_optional(raw, key, where) for key in ("split_backward_overhead", "split_backward_elementwise",
+                                                               "fsdp_copy", "dtensor_optimizer_overhead")))
 
 
 def _link(raw: dict, key: str, where: str) -> Link:

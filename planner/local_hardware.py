@@ -21,7 +21,8 @@ UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "b
                 "compute_efficiency": 0.7, "tp_overhead": 0.0, "fsdp_overhead": 0.0, "sp_overhead": 0.0,
                 "step_overhead": 0.0, "busy_node_slowdown": 1.0, "elementwise": 0.0,
                 "gather_latency": 100e-6, "gather_bandwidth": 1e9, "scatter_latency": 100e-6, "scatter_bandwidth": 1e9,
-                "split_backward_overhead": 0.0, "split_backward_elementwise": 0.0}
+                "split_backward_overhead": 0.0, "split_backward_elementwise": 0.0, "fsdp_copy": 0.0,
+                "dtensor_optimizer_overhead": 0.0}
 
 
 def cache_path() -> Path:
@@ -98,6 +99,8 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             # torch's zero-bubble split backward beyond a full one (tools/calibrate.py split_rates)
             "split_backward_overhead": cached["split_backward_overhead"],
             "split_backward_elementwise": cached["split_backward_elementwise"],
+            # FSDP2's copies per parameter element, AdamW's DTensor dispatch per tensor (tools/calibrate.py _engines)
+            "fsdp_copy": cached["fsdp_copy"], "dtensor_optimizer_overhead": cached["dtensor_optimizer_overhead"],
             # gloo's all-gather and all-to-all (the engines' reduce-scatter) at their own rates
             "all_gather_link": {"bandwidth": cached["gather_bandwidth"], "latency": cached["gather_latency"]},
             "reduce_scatter_link": {"bandwidth": cached["scatter_bandwidth"], "latency": cached["scatter_latency"]},

@@ -9,12 +9,14 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
     busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
+                (+ fsdp_copy x its parameter elements / blocks under FSDP2)   the copies in and out of its buffers
     recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M) / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
     split     = blocks x (split_backward_overhead x M + T x w x split_backward_elementwise)   zero-bubble
                 schedules only: torch's input and weight halves of a backward cost more than one full backward
     bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (planner/schedule.py)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
+                (+ dtensor_optimizer_overhead x its parameter tensors under FSDP2: the fused kernel on DTensors)
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
 
 A group's link class follows the mesh order of parallel/layout.py, ("pp", "dp", "tp") with tp
@@ -186,6 +188,7 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
+    overhead += hw.fsdp_copy * held.elems * lay.microbatches if fsdp_sharded(lay) else 0.0  # FSDP2's copies
     elements = tokens * held.blocks * activation_width(g, lay)  # activation elements through the blocks
     elementwise = elements * hw.elementwise
     # zero-bubble: torch's input and weight halves of a backward cost more than one full backward
@@ -214,13 +217,17 @@ def activation_width(g: GPTConfig, lay: PlannedLayout) -> float:
     return h / t if lay.sequence_parallel else h * (1 + 1 / t) / 2
 
 
+def fsdp_sharded(lay: PlannedLayout) -> bool:
+    """Are this layout's parameters FSDP2-sharded (fsdp, zero-3, HSDP over more than one rank)?"""
+    return lay.strategy.value in ("fsdp", "zero-3") and lay.grad_ranks > 1
+
+
 def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
     """Fixed seconds per block per micro-batch: every block's, plus the engines' host work where a
     block is tensor-parallel (DTensor; more with sequence parallelism's redistributions) or
     FSDP2-sharded (fsdp, zero-3, HSDP)."""
-    fsdp = lay.strategy.value in ("fsdp", "zero-3") and lay.grad_ranks > 1
     tp = (hw.tp_overhead + (hw.sp_overhead if lay.sequence_parallel else 0.0)) if lay.tp > 1 else 0.0
-    return hw.block_overhead + tp + (hw.fsdp_overhead if fsdp else 0.0)
+    return hw.block_overhead + tp + (hw.fsdp_overhead if fsdp_sharded(lay) else 0.0)
 
 
 def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic: list[list[Collective]],
@@ -232,13 +239,15 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     slow = max(range(len(compute)), key=lambda r: sum(compute[r]))
     work = sum(compute[slow])
     b = bubble_fraction(lay)
-    rests = [_rank_rest(lay, traffic[r], optimizer_elems[r], compute[r], hw) for r in range(len(held))]
+    rests = [_rank_rest(lay, traffic[r], optimizer_elems[r], len(held[r].tensors), compute[r], hw)
+             for r in range(len(held))]
     rest = max(rests, key=lambda terms: sum(t.exposed for t in terms))
     terms = [TimeTerm("compute", compute[slow][0], compute[slow][0],
                       f"{_flops_note(g, lay, held[slow])} at {hw.compute_efficiency:g} x {hw.peak(dtype) / 1e12:.4g} "
                       f"TFLOP/s ({dtype})"
                       f"{f' + {hw.elementwise * 1e9:.3g} ns x tokens x blocks x width' if hw.elementwise else ''}"
                       f" + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
+                      f"{f' + {hw.fsdp_copy * 1e9:.3g} ns x parameters x M (FSDP2 copies)' if hw.fsdp_copy and fsdp_sharded(lay) else ''}"
                       f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
                       f"{' + the split backward (zero-bubble)' if splits_backward(lay) else ''}"
                       f"{f', x {hw.busy_node_slowdown:.3g} on a busy node' if hw.busy_node_slowdown > 1 and world > 1 else ''}")]
@@ -273,10 +282,11 @@ def _flops_note(g: GPTConfig, lay: PlannedLayout, held: RankTensors) -> str:
     return f"3 x forward FLOPs of {held.blocks} block(s) x {tokens} tokens"
 
 
-def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, compute: tuple[float, float],
-               hw: Hardware) -> list[TimeTerm]:
+def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, tensors: int,
+               compute: tuple[float, float], hw: Hardware) -> list[TimeTerm]:
     """One rank's communication terms (overlapped ones hidden up to the compute they run beside)
-    and its optimizer step."""
+    and its optimizer step (`tensors`: the parameter tensors it steps, each a DTensor dispatch
+    under FSDP2)."""
     terms = []
     window = sum(compute)  # compute that overlapped collectives share: each uses up what it hides
     for c in traffic:
@@ -294,7 +304,9 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, co
         seconds = calls * 2 * (n - 1) * link.latency  # 4 bytes each: latency only
         terms.append(TimeTerm(f"norm all-reduce {group}", seconds, seconds,
                               f"{calls} calls x 2(n-1) ring steps x latency (the gradient norm's partial sums)"))
-    terms.append(TimeTerm("optimizer", opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
-                          opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth,
-                          f"{OPTIMIZER_BYTES} B x {opt_elems:,} stepped elements / memory bandwidth"))
+    dispatch = tensors * hw.dtensor_optimizer_overhead if fsdp_sharded(lay) else 0.0
+    seconds = opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth + dispatch
+    terms.append(TimeTerm("optimizer", seconds, seconds,
+                          f"{OPTIMIZER_BYTES} B x {opt_elems:,} stepped elements / memory bandwidth"
+                          + (f" + {tensors} DTensor shards x {hw.dtensor_optimizer_overhead * 1e6:.3g} us" if dispatch else "")))
     return terms

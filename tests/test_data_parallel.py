@@ -500,3 +500,36 @@ def test_bad_layout(overrides, world, message):
 def test_none_with_one_data_parallel_rank_is_a_layout(overrides, world):
     """`none` beside tp or pp (dp = 1) is one model split over ranks: legitimate, not refused."""
     assert Layout.of(load_config(None, TINY + overrides), world).dp == 1
+
+
+def test_adamw_is_fused_on_fsdp2_shards_and_on_plain_tensors_not_on_a_mix():
+    """parallel/strategy.py's AdamW takes the fused kernel where every parameter is of one kind:
+    FSDP2's DTensor shards (on torch's fake process group here: 2 ranks, one process) or plain
+    tensors; a mix of the two, which one fused call cannot take, keeps torch's default. The fused
+    step on the shards runs (the kernel exists for DTensor on this device)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from model import GPT, GPTConfig, lm_loss
+    from parallel.strategy import fusable
+
+    def gpt() -> GPT:
+        return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0))
+    assert fusable([{"params": list(gpt().parameters())}])
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        sharded = gpt()
+        for block in sharded.blocks.values():
+            fully_shard(block, mesh=init_device_mesh("cpu", (2,)))
+        shards = list(fully_shard(sharded, mesh=init_device_mesh("cpu", (2,))).parameters())
+        assert fusable([{"params": shards[:3]}, {"params": shards[3:]}])
+        assert not fusable([{"params": shards}, {"params": list(gpt().parameters())}])
+        x = torch.randint(0, 64, (2, 8))
+        lm_loss(sharded(x), x).backward()
+        before = [p.to_local().clone() for p in shards]
+        torch.optim.AdamW(shards, lr=0.1, fused=True).step()
+        assert all(not torch.equal(b, p.to_local()) for b, p in zip(before, shards))
+    finally:
+        dist.destroy_process_group()

@@ -19,6 +19,7 @@ import torch
 import main as app
 import planner
 from checks import load_config
+from model import GPT
 from planner import local_hardware
 from planner.auto import resolved_config
 from planner.hardware import Link, load_hardware
@@ -376,6 +377,31 @@ def test_a_plan_on_this_cpu_says_its_step_times_assume_reuse_when_the_config_is_
     assert lean[0].endswith("add trainer.host_memory=reuse where host memory is not the limit"), lean
     assert notes("local", "trainer.host_memory=reuse") == []
     assert notes("h100-sxm") == []
+
+
+@pytest.mark.parametrize("overrides, sharded", [
+    (("parallel.strategy=fsdp",), True), (("parallel.strategy=zero", "parallel.zero_stage=3"), True),
+    (("parallel.strategy=fsdp", "trainer.micro_batch_size=2"), True), (("parallel.strategy=ddp",), False),
+    (("parallel.strategy=zero", "parallel.zero_stage=2"), False), (("parallel.strategy=none", "parallel.tp=2"), False)])
+def test_fsdp2_pays_its_copies_per_parameter_and_its_optimizer_per_dtensor(tmp_path, overrides, sharded):
+    """FSDP2's copies in and out of its buffers cost fsdp_copy per parameter element per
+    micro-batch, in the compute (a CPU's cores make them); fused AdamW on its DTensor shards
+    dtensor_optimizer_overhead per parameter tensor, in the optimizer term. No other engine pays
+    either."""
+    base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False)
+    priced = dataclasses.replace(base, fsdp_copy=1e-9, dtensor_optimizer_overhead=1e-5)
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", *overrides])
+    g, lay = planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2)
+    terms = [{t.name: t.seconds for t in planner.plan_layout(cfg, g, lay, True, None, hw).time.terms}
+             for hw in (base, priced)]
+    params = list(GPT(g).parameters())
+    elements, tensors = sum(p.numel() for p in params), len(params)
+    micro = planner.plan_layout(cfg, g, lay, True, None, base).layout.microbatches
+    if sharded:
+        assert terms[1]["compute"] - terms[0]["compute"] == pytest.approx(1e-9 * elements * micro)
+        assert terms[1]["optimizer"] - terms[0]["optimizer"] == pytest.approx(1e-5 * tensors)
+    else:
+        assert terms[1] == terms[0]
 
 
 @pytest.mark.parametrize("overrides, calls", [

@@ -65,6 +65,9 @@ from parallel.tp import apply_tensor_parallel
 from tools.processes import child_env, multiprocess_lock
 
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
+# the second FSDP2 GPT, wide and shallow (its math about a ms): with ENGINE_MODEL it separates FSDP2's
+# fixed cost per block from its cost per parameter element (the copies in and out)
+ENGINE_WIDE = (2, 256, 16, 2)
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 NARROW_WIDTH = 64  # the second block (same positions and sequences) that separates the element-wise work
 SPLIT_STAGES = ((64, 64, 4), (256, 128, 4))  # width, positions, sequences of the stages timed by split_rates
@@ -216,33 +219,87 @@ def measure_link_and_engines(timeout_s: float = 180) -> dict:
 def _engines(threads: int) -> dict:
     """Rank 0 of 2 on the fake process group: a tiny GPT (microseconds of math, like the block
     overhead's) plain, tensor-parallel (tp 2), tensor- and sequence-parallel, and FSDP2-sharded (2
-    ranks), one step of each in turn for 20 rounds; per block, the median extra over the plain
-    model (sequence parallelism's over the tp model; never below 0)."""
+    ranks), and a wide shallow GPT plain and FSDP2-sharded, one step of each in turn for 20 rounds;
+    per block, the median extra over the plain model (sequence parallelism's over the tp model;
+    never below 0), FSDP2's split into a fixed part per block and a part per parameter element
+    (fsdp_rates); then AdamW's fused step on the FSDP2 shards against the same on plain tensors."""
     torch.set_num_threads(threads)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     mesh = init_device_mesh("cpu", (2,))
-    layers, width, positions, sequences = ENGINE_MODEL
 
-    def gpt() -> GPT:
+    def gpt(shape: tuple[int, int, int, int] = ENGINE_MODEL) -> GPT:
+        layers, width, positions, _ = shape
         torch.manual_seed(0)
         return GPT(GPTConfig(vocab_size=64, block_size=positions, n_layer=layers, n_head=4, n_embd=width, dropout=0.0))
-    sharded = gpt()
-    for block in sharded.blocks.values():
-        fully_shard(block, mesh=mesh)
-    models = {"plain": gpt(), "tp": apply_tensor_parallel(gpt(), mesh), "fsdp": fully_shard(sharded, mesh=mesh),
-              "sp": apply_tensor_parallel(gpt(), mesh, sequence_parallel=True)}
-    x = torch.randint(0, 64, (sequences, positions))
+
+    def sharded(model: GPT) -> GPT:
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    models = {"plain": gpt(), "tp": apply_tensor_parallel(gpt(), mesh), "fsdp": sharded(gpt()),
+              "sp": apply_tensor_parallel(gpt(), mesh, sequence_parallel=True),
+              "plain wide": gpt(ENGINE_WIDE), "fsdp wide": sharded(gpt(ENGINE_WIDE))}
+    inputs = {shape: torch.randint(0, 64, (shape[3], shape[2])) for shape in (ENGINE_MODEL, ENGINE_WIDE)}
     times = {name: [] for name in models}
     for round_ in range(23):
         for name, model in models.items():
+            x = inputs[ENGINE_WIDE if name.endswith("wide") else ENGINE_MODEL]
             seconds = _timed(lambda: lm_loss(model(x), x).backward())
             if round_ >= 3:  # warm-up: DTensor's sharding caches, FSDP2's lazy init
                 times[name].append(seconds)
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-    extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "fsdp", "sp")}
+    layers = ENGINE_MODEL[0]
+    extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "sp")}
     extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
+    fsdp, copy = fsdp_rates(*((median[f"fsdp{w}"] - median[f"plain{w}"], model.cfg.n_layer, numel(model))
+                              for w, model in (("", models["plain"]), (" wide", models["plain wide"]))))
+    optimizer = _dtensor_optimizer(models["fsdp"], models["plain"])
     dist.destroy_process_group()
-    return {**{f"{name}_overhead": value for name, value in extra.items()}, "plain_step": _plain_step(gpt(), x)}
+    return {"tp_overhead": extra["tp"], "sp_overhead": extra["sp"], "fsdp_overhead": fsdp, "fsdp_copy": copy,
+            "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(gpt(), inputs[ENGINE_MODEL])}
+
+
+def numel(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def fsdp_rates(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tuple[float, float]:
+    """(seconds per block, seconds per parameter element) FSDP2 adds to a micro-batch's forward +
+    backward, from two models' (extra seconds, blocks, parameter elements): extra = blocks x fixed
+    + elements x per_element, two equations in two unknowns. The fixed part is the hooks' host
+    work (the tiny model's extra is nearly all of it); the per-element part the copies in and out
+    of the gather and reduce-scatter buffers, which a tiny model cannot show (measured by hand on
+    the fake process group: 1.2-1.3 ms a block at 64 wide, 3-7.7 ms at 256-512 wide). A noisy pair
+    that gives a negative part keeps the other alone (never below 0)."""
+    (e1, b1, n1), (e2, b2, n2) = tiny, wide
+    det = b1 * n2 - b2 * n1
+    fixed, per_element = (e1 * n2 - e2 * n1) / det, (b1 * e2 - b2 * e1) / det
+    if per_element <= 0:
+        return max(0.0, e1 / b1), 0.0
+    if fixed <= 0:
+        return 0.0, max(0.0, e2 / n2)
+    return fixed, per_element
+
+
+def _dtensor_optimizer(sharded: GPT, plain: GPT, rounds: int = 15) -> float:
+    """Seconds per parameter tensor that fused AdamW's step on FSDP2's DTensor shards takes beyond
+    the same step on plain tensors of the shards' size (parallel/strategy.py fuses both): the
+    median of interleaved rounds, never below 0."""
+    params = list(sharded.parameters())
+    local = [torch.nn.Parameter(p.to_local().detach().clone()) for p in params]
+    for p, q in zip(local, params):
+        p.grad = torch.zeros_like(p) if q.grad is None else q.grad.to_local().detach().clone()
+    for p in params:  # the fake group's reduce-scatter writes nothing: gradients of a known value
+        p.grad = None if p.grad is None else p.grad.zero_()
+    opts = [torch.optim.AdamW(ps, lr=1e-4, fused=True) for ps in (params, local)]
+    times: list[list[float]] = [[], []]
+    for round_ in range(rounds + 3):
+        for opt, t in zip(opts, times):
+            seconds = _timed(opt.step)
+            if round_ >= 3:
+                t.append(seconds)
+    dtensor, tensors = (sorted(t)[len(t) // 2] for t in times)
+    return max(0.0, (dtensor - tensors) / len(params))
 
 
 def _plain_step(model: GPT, x: torch.Tensor) -> float:
