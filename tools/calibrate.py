@@ -14,7 +14,11 @@
   fixed cost per block is the block overhead above), and what sequence parallelism adds to the
   tensor-parallel one, timed in one process on
   torch's fake process group (its collectives return at once, so what remains is the engine's
-  host work: DTensor dispatch and redistribution, FSDP2's hooks and copy-in/out);
+  host work: DTensor dispatch and redistribution, FSDP2's hooks and copy-in/out); FSDP2's split
+  into a fixed cost per block and a cost per parameter element (its copies into and out of the
+  gather and reduce-scatter buffers, which grow with the width), from the tiny GPT and a wide
+  shallow one (fsdp_rates); and fused AdamW's step on FSDP2's DTensor shards beyond the same step
+  on plain tensors, per parameter tensor (DTensor's dispatch);
 - compute efficiency and element-wise cost: forward + backward of a 256-wide and a 64-wide block
   on the same 8 x 128 tokens, less the block overhead: the matmuls' fraction of the peak and the
   seconds per activation element of the rest (LayerNorm, GELU, softmax, adds), two equations in
