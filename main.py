@@ -39,6 +39,7 @@ from launch.stopping import (
     launch_returned,
     raise_interrupted,
     stop_while_loading,
+    training_began,
     training_progress,
 )
 
@@ -171,6 +172,7 @@ def main(argv=None, keep_process_group: bool = False) -> int:
     launches in one torchrun job (the tests' workers)."""
     one_line_warnings()
     return_large_frees()  # freed tensors go back to the kernel: each rank's memory is what it holds
+    training_began(None)  # nothing of an earlier launch in this process is reported as this one's
     # From here on a stop signal is one line, never a traceback (launch/app.py records it instead)
     previous = {sig: signal.signal(sig, raise_interrupted) for sig in STOP_SIGNALS} \
         if threading.current_thread() is threading.main_thread() else {}
@@ -186,6 +188,8 @@ def main(argv=None, keep_process_group: bool = False) -> int:
         die_by(e.signum)
         return 128 + e.signum  # only if the signal did not end the process
     except Exception as e:
+        for sig in previous:  # a stop signal now, as the error is reported, is one line too (not a traceback)
+            signal.signal(sig, stop_while_loading)
         line = error_line(e)
         if line is None:
             raise

@@ -87,7 +87,8 @@ def run(args: argparse.Namespace, keep_process_group: bool = False) -> int:
             if not go_on:
                 return 0
             _start(args, cfg, env, trainer, run_dir, auto_lines + ([schedule_note] if schedule_note else []))
-            training_began(lambda: (trainer.step, trainer.last_snapshot))
+            # the committed resume point: under trainer.async_save, last_snapshot may be a save in flight
+            training_began(lambda: (trainer.step, trainer.snapshots.newest))
             with reuse_step_memory(cfg.trainer.host_memory == "reuse"):  # built and loaded lean either way
                 summary = train_until_stopped(trainer)
         if summary.stopped:

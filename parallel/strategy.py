@@ -160,9 +160,9 @@ class Strategy:
 
     def adamw(self, groups: list[dict]) -> torch.optim.AdamW:
         """AdamW with the configured hyper-parameters, fused (CPU and CUDA both have the kernel)
-        where every parameter is of one kind: all plain tensors, or all DTensors (DTensor runs the
-        fused kernel on each shard). A mix (tensor parallelism leaves some parameters plain) takes
-        torch's default, since one fused call takes no DTensor/plain mix. The default on a CPU is
+        where every parameter is of one kind (`fusable`): all plain tensors, or all DTensors on
+        one mesh (DTensor runs the fused kernel on each shard). A mix (tensor parallelism leaves
+        some parameters plain) takes torch's default. The default on a CPU is
         a loop over the parameters, about 10 ops each, every one a DTensor dispatch on sharded
         ones: an FSDP2 step of 8 blocks of 256 spent 15.7 ms in AdamW where the fused kernel
         takes 3.5 (docs/planner.md)."""
@@ -312,8 +312,11 @@ def resident_bytes(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> 
 
 
 def fusable(groups: list[dict]) -> bool:
-    """Can one fused optimizer take these parameter groups? Every parameter plain (a tensor or
-    nn.Parameter), or every one a DTensor; a mix, or another tensor subclass, cannot."""
-    kinds = {"plain" if type(p) in (torch.Tensor, nn.Parameter) else "dtensor" if isinstance(p, DTensor) else None
-             for g in groups for p in g["params"]}
-    return kinds in ({"plain"}, {"dtensor"})
+    """Does one fused optimizer take these parameter groups? Every parameter plain (a tensor or
+    nn.Parameter), or every one a DTensor on one mesh (FSDP2's shards, HSDP's); a DTensor/plain
+    mix, DTensors on two meshes (fsdp x tp: the LayerNorms on the dp mesh, the tp weights on the
+    2-D one), or another tensor subclass keep torch's default, as parallel/dtensor.py's foreach
+    groups do."""
+    kinds = {"plain" if type(p) in (torch.Tensor, nn.Parameter) else p.device_mesh if isinstance(p, DTensor)
+             else None for g in groups for p in g["params"]}  # DeviceMesh: equal when the same ranks and dims
+    return len(kinds) == 1 and None not in kinds

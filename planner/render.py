@@ -81,7 +81,7 @@ def host_memory_note(host_memory: str, hardware_name: str) -> str | None:
         return None
     return (f"note: the step times price a CPU step that keeps its memory (trainer.host_memory=reuse); with "
             f"trainer.host_memory={host_memory} every freed block of 1 MiB or more goes back to the kernel and is "
-            f"faulted in again each step, measured at 1.29-1.48x the plan (4 x 256, 2 processes: docs/layouts.md); "
+            f"faulted in again each step, measured at 1.29-1.48x the plan (4 x 256, 2 processes: docs/planner.md); "
             f"add trainer.host_memory=reuse where host memory is not the limit")
 
 

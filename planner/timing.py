@@ -188,13 +188,15 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
-    overhead += hw.fsdp_copy * held.elems * lay.microbatches if fsdp_sharded(lay) else 0.0  # FSDP2's copies
+    # FSDP2's copies in and out of its buffers, per micro-batch (first order: the gradients' chunk-cat
+    # runs once a step where micro-batches accumulate unsynchronised); recomputation copies nothing
+    copies = hw.fsdp_copy * held.elems * lay.microbatches if fsdp_sharded(lay) else 0.0
     elements = tokens * held.blocks * activation_width(g, lay)  # activation elements through the blocks
     elementwise = elements * hw.elementwise
     # zero-bubble: torch's input and weight halves of a backward cost more than one full backward
     split = (held.blocks * lay.microbatches * hw.split_backward_overhead + elements * hw.split_backward_elementwise
              if splits_backward(lay) else 0.0)
-    compute = tokens * 3 * fwd / rate + elementwise + overhead + hw.step_overhead + split
+    compute = tokens * 3 * fwd / rate + elementwise + overhead + copies + hw.step_overhead + split
     recompute = tokens * fwd_blocks / rate + (elementwise + overhead) / 3 if lay.activation_checkpointing else 0.0
     busy = hw.busy_node_slowdown if lay.world > 1 else 1.0  # every device of the node computes
     return compute * busy, recompute * busy
@@ -239,7 +241,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     slow = max(range(len(compute)), key=lambda r: sum(compute[r]))
     work = sum(compute[slow])
     b = bubble_fraction(lay)
-    rests = [_rank_rest(lay, traffic[r], optimizer_elems[r], len(held[r].tensors), compute[r], hw)
+    rests = [_rank_rest(lay, traffic[r], optimizer_elems[r], sum(t.in_optimizer for t in held[r]), compute[r], hw)
              for r in range(len(held))]
     rest = max(rests, key=lambda terms: sum(t.exposed for t in terms))
     terms = [TimeTerm("compute", compute[slow][0], compute[slow][0],

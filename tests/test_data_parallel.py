@@ -504,32 +504,43 @@ def test_none_with_one_data_parallel_rank_is_a_layout(overrides, world):
 
 def test_adamw_is_fused_on_fsdp2_shards_and_on_plain_tensors_not_on_a_mix():
     """parallel/strategy.py's AdamW takes the fused kernel where every parameter is of one kind:
-    FSDP2's DTensor shards (on torch's fake process group here: 2 ranks, one process) or plain
-    tensors; a mix of the two, which one fused call cannot take, keeps torch's default. The fused
-    step on the shards runs (the kernel exists for DTensor on this device)."""
+    FSDP2's DTensor shards on one mesh (torch's fake process group here: 2 ranks, one process) or
+    plain tensors; a mix of the two, or shards on two meshes (fsdp x tp), keeps torch's default.
+    The fused step on the shards computes what the fused step on plain copies of them computes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from model import GPT, GPTConfig, lm_loss
+    from model import GPT, GPTConfig
     from parallel.strategy import fusable
 
     def gpt() -> GPT:
         return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0))
     assert fusable([{"params": list(gpt().parameters())}])
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     try:
-        sharded = gpt()
+        sharded, dp = gpt(), init_device_mesh("cpu", (4,))
         for block in sharded.blocks.values():
-            fully_shard(block, mesh=init_device_mesh("cpu", (2,)))
-        shards = list(fully_shard(sharded, mesh=init_device_mesh("cpu", (2,))).parameters())
+            fully_shard(block, mesh=init_device_mesh("cpu", (4,)))  # an equal mesh is one mesh
+        shards = list(fully_shard(sharded, mesh=dp).parameters())
         assert fusable([{"params": shards[:3]}, {"params": shards[3:]}])
         assert not fusable([{"params": shards}, {"params": list(gpt().parameters())}])
-        x = torch.randint(0, 64, (2, 8))
-        lm_loss(sharded(x), x).backward()
-        before = [p.to_local().clone() for p in shards]
-        torch.optim.AdamW(shards, lr=0.1, fused=True).step()
-        assert all(not torch.equal(b, p.to_local()) for b, p in zip(before, shards))
+        other = fully_shard(gpt(), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"])
+        assert not fusable([{"params": shards}, {"params": list(other.parameters())}])
+        torch.manual_seed(0)
+        for p in shards:
+            p.grad = p.detach().clone()
+            p.grad.to_local().copy_(torch.randn_like(p.to_local()))
+        plain = [torch.nn.Parameter(p.to_local().detach().clone()) for p in shards]
+        for a, p in zip(plain, shards):
+            a.grad = p.grad.to_local().clone()
+        before = [a.detach().clone() for a in plain]
+        for params in (shards, plain):
+            opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+            opt.step(), opt.step()
+        for a, p, b in zip(plain, shards, before):
+            assert torch.equal(a, p.to_local()) and (a.numel() == 0 or not torch.equal(a, b))
     finally:
         dist.destroy_process_group()

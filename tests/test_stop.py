@@ -253,6 +253,27 @@ def test_a_signal_after_the_launch_ended_is_not_called_a_start_up(tmp_path):
     assert "done: step 2" in out and "stopped by" not in out, out[-4000:]
 
 
+SIGNAL_WHILE_REPORTING = """
+import signal, sys
+import main
+main.error_line = lambda e: signal.raise_signal(signal.SIGTERM)  # the signal lands as the error is reported
+sys.exit(main.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.launch
+def test_a_signal_while_an_error_is_reported_is_one_line_not_a_traceback(tmp_path):
+    """A SIGTERM that lands while main() reports a launch's error (its peer died, torchrun's
+    SIGTERM follows): one closing line and the process ends by the signal, no traceback. Here the
+    error is a bad override, so the line is a start-up's."""
+    r = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_REPORTING, *TINY, "trainer.no_such_key=1",
+                        f"trainer.run_dir={tmp_path / 'run'}"],
+                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=200)
+    out = r.stdout + r.stderr
+    assert r.returncode == -signal.SIGTERM and "Traceback" not in out, out[-3000:]
+    assert len(START_LINE.findall(out)) == 1, out[-3000:]
+
+
 # ----------------------------------------------------------------------------- non-finite
 
 # log_every=5: step 4 is a save step that is not a log step; keep_snapshots=1, so a NaN snapshot

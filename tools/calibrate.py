@@ -206,9 +206,9 @@ def _timed(fn) -> float:
 def measure_link_and_engines(timeout_s: float = 180) -> dict:
     """The figures 2 local processes measure (`_link_child`): the busy-node slowdown, the latency per
     ring step and bandwidth of a gloo all-reduce; then, in the first of them (its gloo group closed,
-    its peer gone), tp_overhead, fsdp_overhead, sp_overhead and the plain tiny GPT's whole step on
-    the fake process group with this process's thread count. One launch: a process's imports cost
-    seconds."""
+    its peer gone), the engines' figures on the fake process group (`_engines`: tp, sp and fsdp
+    overheads, fsdp_copy, dtensor_optimizer_overhead, the plain tiny GPT's whole step) with this
+    process's thread count. One launch: a process's imports cost seconds."""
     with tempfile.TemporaryDirectory() as tmp, multiprocess_lock():
         procs = [subprocess.Popen([sys.executable, "-m", "tools.calibrate", str(r), str(Path(tmp) / "store"),
                                    str(torch.get_num_threads())],
@@ -257,7 +257,7 @@ def _engines(threads: int) -> dict:
     extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
     fsdp, copy = fsdp_rates(*((median[f"fsdp{w}"] - median[f"plain{w}"], model.cfg.n_layer, numel(model))
                               for w, model in (("", models["plain"]), (" wide", models["plain wide"]))))
-    optimizer = _dtensor_optimizer(models["fsdp"], models["plain"])
+    optimizer = _dtensor_optimizer(models["fsdp"])
     dist.destroy_process_group()
     return {"tp_overhead": extra["tp"], "sp_overhead": extra["sp"], "fsdp_overhead": fsdp, "fsdp_copy": copy,
             "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(gpt(), inputs[ENGINE_MODEL])}
@@ -273,7 +273,8 @@ def fsdp_rates(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tu
     + elements x per_element, two equations in two unknowns. The fixed part is the hooks' host
     work (the tiny model's extra is nearly all of it); the per-element part the copies in and out
     of the gather and reduce-scatter buffers, which a tiny model cannot show (measured by hand on
-    the fake process group: 1.2-1.3 ms a block at 64 wide, 3-7.7 ms at 256-512 wide). A noisy pair
+    the fake process group, docs/planner.md: 1.2-1.3 ms a block at 64 wide, 3-7.7 ms at 256-512
+    wide). A noisy pair
     that gives a negative part keeps the other alone (never below 0)."""
     (e1, b1, n1), (e2, b2, n2) = tiny, wide
     det = b1 * n2 - b2 * n1
@@ -285,16 +286,16 @@ def fsdp_rates(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tu
     return fixed, per_element
 
 
-def _dtensor_optimizer(sharded: GPT, plain: GPT, rounds: int = 15) -> float:
+def _dtensor_optimizer(sharded: GPT, rounds: int = 15) -> float:
     """Seconds per parameter tensor that fused AdamW's step on FSDP2's DTensor shards takes beyond
     the same step on plain tensors of the shards' size (parallel/strategy.py fuses both): the
     median of interleaved rounds, never below 0."""
     params = list(sharded.parameters())
+    for p in params:  # the fake group's reduce-scatter writes nothing: gradients of a known value
+        p.grad = None if p.grad is None else p.grad.zero_()
     local = [torch.nn.Parameter(p.to_local().detach().clone()) for p in params]
     for p, q in zip(local, params):
         p.grad = torch.zeros_like(p) if q.grad is None else q.grad.to_local().detach().clone()
-    for p in params:  # the fake group's reduce-scatter writes nothing: gradients of a known value
-        p.grad = None if p.grad is None else p.grad.zero_()
     opts = [torch.optim.AdamW(ps, lr=1e-4, fused=True) for ps in (params, local)]
     times: list[list[float]] = [[], []]
     for round_ in range(rounds + 3):
