@@ -58,8 +58,8 @@ def return_large_frees() -> bool:
     the environment sets glibc's own MALLOC_MMAP_THRESHOLD_ (that choice stands) or
     MINGPT_GLIBC_MALLOC=default (glibc's own behaviour: benchmarks/construction_memory.py compares
     the two). True if set."""
-    mallopt = _mallopt()
-    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    libc = _glibc()
+    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
 
 
 # While it trains, a step allocates the same temporaries every step (activations, gradients,
@@ -80,15 +80,16 @@ GLIBC_TRIM_THRESHOLD = 128 * 2**10  # glibc's default M_TRIM_THRESHOLD
 _M_TRIM_THRESHOLD = -1
 
 
-def _mallopt():
-    """glibc's mallopt, or None (another C library; or the environment chose: MALLOC_MMAP_THRESHOLD_
-    set, or MINGPT_GLIBC_MALLOC=default)."""
+def _glibc():
+    """glibc with its mallopt, or None (another C library; or the environment chose:
+    MALLOC_MMAP_THRESHOLD_ set, or MINGPT_GLIBC_MALLOC=default)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("MINGPT_GLIBC_MALLOC") == "default":
         return None
     try:
-        return getattr(ctypes.CDLL("libc.so.6"), "mallopt", None)
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
+    return libc if hasattr(libc, "mallopt") else None
 
 
 @contextlib.contextmanager
@@ -100,10 +101,11 @@ def reuse_step_memory(enabled: bool = True):
     returned (malloc_trim). Nothing changes where return_large_frees would not (the same
     exceptions), nor where glibc refuses the 32 MiB threshold (it takes at most 32 MiB on 64-bit
     Linux, less on 32-bit): then the trim threshold goes back too."""
-    mallopt = _mallopt() if enabled else None
-    if mallopt is None:
+    libc = _glibc() if enabled else None
+    if libc is None:
         yield
         return
+    mallopt = libc.mallopt
     if mallopt(_M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD) != 1 or mallopt(_M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD) != 1:
         mallopt(_M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
         yield
@@ -113,4 +115,4 @@ def reuse_step_memory(enabled: bool = True):
     finally:
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         mallopt(_M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc.malloc_trim(0)

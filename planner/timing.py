@@ -3,13 +3,13 @@
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
     compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
-                 + step_overhead + split) x busy   forward + backward (2x forward)
+                 + copies + step_overhead + split) x busy   forward + backward (2x forward)
     w         = h (h / t with sequence parallelism, h (1 + 1/t) / 2 with plain tp): the activation
                 elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
     busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
-                (+ fsdp_copy x its parameter elements / blocks under FSDP2)   the copies in and out of its buffers
+    copies    = fsdp_copy x its parameter elements x M under FSDP2: the copies in and out of its buffers
     recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M) / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
     split     = blocks x (split_backward_overhead x M + T x w x split_backward_elementwise)   zero-bubble

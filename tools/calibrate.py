@@ -255,16 +255,13 @@ def _engines(threads: int) -> dict:
     layers = ENGINE_MODEL[0]
     extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "sp")}
     extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
-    fsdp, copy = fsdp_rates(*((median[f"fsdp{w}"] - median[f"plain{w}"], model.cfg.n_layer, numel(model))
+    fsdp, copy = fsdp_rates(*((median[f"fsdp{w}"] - median[f"plain{w}"], model.cfg.n_layer,
+                               model.num_params(exclude_position=False))
                               for w, model in (("", models["plain"]), (" wide", models["plain wide"]))))
     optimizer = _dtensor_optimizer(models["fsdp"])
     dist.destroy_process_group()
     return {"tp_overhead": extra["tp"], "sp_overhead": extra["sp"], "fsdp_overhead": fsdp, "fsdp_copy": copy,
             "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(gpt(), inputs[ENGINE_MODEL])}
-
-
-def numel(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def fsdp_rates(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tuple[float, float]:
@@ -274,8 +271,7 @@ def fsdp_rates(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tu
     work (the tiny model's extra is nearly all of it); the per-element part the copies in and out
     of the gather and reduce-scatter buffers, which a tiny model cannot show (measured by hand on
     the fake process group, docs/planner.md: 1.2-1.3 ms a block at 64 wide, 3-7.7 ms at 256-512
-    wide). A noisy pair
-    that gives a negative part keeps the other alone (never below 0)."""
+    wide). A noisy pair that gives a negative part keeps the other alone (never below 0)."""
     (e1, b1, n1), (e2, b2, n2) = tiny, wide
     det = b1 * n2 - b2 * n1
     fixed, per_element = (e1 * n2 - e2 * n1) / det, (b1 * e2 - b2 * e1) / det
