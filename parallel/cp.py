@@ -319,11 +319,11 @@ ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}  # parall
 # ----------------------------------------------------------------------------- the runner
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, mode: str) -> None:
-    """Every block's attention over `cp_mesh`'s ranks (model.CausalSelfAttention), by parallel.cp_mode,
+def apply_context_parallel(model: nn.Module, ranks: Ring, mode: str) -> None:
+    """Every block's attention over the cp `ranks` (model.CausalSelfAttention), by parallel.cp_mode,
     and the position embedding read at the global positions of this rank's tokens (a pipeline
     stage: its blocks; the first stage also its embedding)."""
-    ranks, attention = Ring(cp_mesh.get_group()), ATTENTION[mode]
+    attention = ATTENTION[mode]
     cp, rank = ranks.size, ranks.rank
     model.context_parallel_positions = lambda t, device: local_positions(t * cp, rank, cp, device)
     for block in model.blocks.values():

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from config import Config
 from model import GPT
-from parallel.cp import ContextParallelLoop, apply_context_parallel
+from parallel.cp import ContextParallelLoop, Ring, apply_context_parallel
 from parallel.env import DistEnv
 from parallel.layout import Layout
 from parallel.materialize import InitialValue, materialize, on_meta
@@ -62,7 +62,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: DeviceMesh | None
             apply_tensor_parallel(part, mesh["tp"], p.tp_vocab_parallel, p.sequence_parallel)
     if layout.cp_enabled:
         for part in stages.values():
-            apply_context_parallel(part, mesh["cp"], p.cp_mode)
+            apply_context_parallel(part, Ring(mesh["cp"].get_group()), p.cp_mode)
     # 3. activation checkpointing (and the attention kernel each block computes with)
     for part in stages.values():
         for block in part.blocks.values():

@@ -29,6 +29,10 @@ DTYPES = ("fp32", "bf16", "fp16")
 class Link:
     bandwidth: float  # bytes/s one device sends in one direction
     latency: float  # seconds per ring step (alpha of the alpha-beta model)
+    # seconds per ring step of a call right after the rank's previous one, where the latency
+    # depends on the compute since then (Hardware.latency_gap; gloo on a CPU: its threads sleep
+    # when idle); None: the same latency after any gap
+    near_latency: float | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,20 @@ class Hardware:
     # (FSDP2) costs beyond the same kernel on plain tensors: DTensor's dispatch of each tensor list.
     # Absent: 0, not priced
     dtensor_optimizer_overhead: float = 0.0
+    # the compute (seconds) each call followed where the links' `latency` was measured; a call after
+    # less compute since the rank's previous call pays between the link's near_latency and it, in
+    # proportion (planner/timing.py). local measures both ends: on the 2-core CPU a 4 KB gloo
+    # call's mean grows with the compute before it (its threads and the peer's fall asleep). 0: not priced
+    latency_gap: float = 0.0
+    # what context parallelism's attention (parallel/cp.py, per parallel.cp_mode) costs per block per
+    # micro-batch beyond one fused attention over the same query-key pairs: its blocks of the kernel,
+    # the log-sum-exp merges, the chunks' slicing; a fixed part and one per activation element
+    # (tokens x width / tp per block). local measures them on the fake process group
+    # (tools/calibrate_engines.py). Absent: 0, not priced
+    cp_ring_overhead: float = 0.0
+    cp_ring_elementwise: float = 0.0
+    cp_allgather_overhead: float = 0.0
+    cp_allgather_elementwise: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -155,14 +173,17 @@ def hardware_of(raw, where: str) -> Hardware:
                     _flag(raw, "reduce_scatter_as_all_reduce", where, False), _slowdown(raw, where),
                     links["all_gather_link"], links["reduce_scatter_link"],
                     *(_optional(raw, key, where) for key in ("split_backward_overhead", "split_backward_elementwise",
-                                                               "fsdp_copy", "dtensor_optimizer_overhead")))
+                                                               "fsdp_copy", "dtensor_optimizer_overhead", "latency_gap",
+                                                               "cp_ring_overhead", "cp_ring_elementwise",
+                                                               "cp_allgather_overhead", "cp_allgather_elementwise")))
 
 
 def _link(raw: dict, key: str, where: str) -> Link:
     link = raw.get(key)
     if not isinstance(link, dict):
         raise UsageError(f"--hardware file '{where}' needs {key}: {{bandwidth: bytes/s, latency: seconds}}")
-    return Link(_number(link, "bandwidth", where), _number(link, "latency", where))
+    near = _number(link, "near_latency", where) if link.get("near_latency") is not None else None
+    return Link(_number(link, "bandwidth", where), _number(link, "latency", where), near)
 
 
 def _flag(raw: dict, key: str, where: str, absent: bool) -> bool:

@@ -22,7 +22,9 @@ UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "b
                 "step_overhead": 0.0, "busy_node_slowdown": 1.0, "elementwise": 0.0,
                 "gather_latency": 100e-6, "gather_bandwidth": 1e9, "scatter_latency": 100e-6, "scatter_bandwidth": 1e9,
                 "split_backward_overhead": 0.0, "split_backward_elementwise": 0.0, "fsdp_copy": 0.0,
-                "dtensor_optimizer_overhead": 0.0}
+                "dtensor_optimizer_overhead": 0.0, "near_latency": 100e-6, "near_gather_latency": 100e-6,
+                "near_scatter_latency": 100e-6, "latency_gap": 0.0, "cp_ring_overhead": 0.0,
+                "cp_ring_elementwise": 0.0, "cp_allgather_overhead": 0.0, "cp_allgather_elementwise": 0.0}
 
 
 def cache_path() -> Path:
@@ -88,7 +90,8 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             cached, how = dict(UNCALIBRATED), "UNCALIBRATED defaults: run `python main.py --plan` once to measure"
     peak = cpu_peak(precision)[0]
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    link = {"bandwidth": cached["bandwidth"], "latency": cached["latency"]}
+    # each link's latency after the calibration's compute gap and right after another call (near)
+    link = {"bandwidth": cached["bandwidth"], "latency": cached["latency"], "near_latency": cached["near_latency"]}
     return {"name": "local", "source": f"this machine ({how})", "devices_per_node": per_node,
             "memory": f"{ram // per_node}B", "peak_flops": {precision: peak, "fp32": cpu_peak("fp32")[0]},
             "memory_bandwidth": cached["memory_bandwidth"], "intra_node": link, "inter_node": link,
@@ -101,9 +104,15 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             "split_backward_elementwise": cached["split_backward_elementwise"],
             # FSDP2's copies per parameter element, AdamW's DTensor dispatch per tensor (tools/calibrate.py _engines)
             "fsdp_copy": cached["fsdp_copy"], "dtensor_optimizer_overhead": cached["dtensor_optimizer_overhead"],
+            "latency_gap": cached["latency_gap"],
+            # context parallelism's attention beyond one fused attention (tools/calibrate_engines.py)
+            **{key: cached[key] for key in ("cp_ring_overhead", "cp_ring_elementwise", "cp_allgather_overhead",
+                                            "cp_allgather_elementwise")},
             # gloo's all-gather and all-to-all (the engines' reduce-scatter) at their own rates
-            "all_gather_link": {"bandwidth": cached["gather_bandwidth"], "latency": cached["gather_latency"]},
-            "reduce_scatter_link": {"bandwidth": cached["scatter_bandwidth"], "latency": cached["scatter_latency"]},
+            "all_gather_link": {"bandwidth": cached["gather_bandwidth"], "latency": cached["gather_latency"],
+                                "near_latency": cached["near_gather_latency"]},
+            "reduce_scatter_link": {"bandwidth": cached["scatter_bandwidth"], "latency": cached["scatter_latency"],
+                                    "near_latency": cached["near_scatter_latency"]},
             "overlap": False,  # one process per core: the cores do the collectives' work (planner/hardware.py)
             "shared_node": True,  # a local launch of more ranks than cores shares them
             "reduce_scatter_as_all_reduce": True}  # gloo's reduce_scatter_tensor is an all-reduce

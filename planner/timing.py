@@ -51,6 +51,8 @@ counts model FLOPs only (6N + 12 L h s per token, no recomputation) over every r
 """
 from __future__ import annotations
 
+import math
+
 from model import GPTConfig
 from parallel.options import Engine
 from planner.hardware import Hardware, Link
@@ -130,15 +132,26 @@ def group_link(lay: PlannedLayout, group: str, hw: Hardware) -> tuple[int, Link,
     if in_node == 1:
         return size, hw.inter_node, "inter-node"
     bandwidth = min(in_node * hw.inter_node.bandwidth, hw.intra_node.bandwidth)
-    return size, Link(bandwidth, hw.inter_node.latency), f"inter-node, {in_node} cards"
+    return size, Link(bandwidth, hw.inter_node.latency, hw.inter_node.near_latency), f"inter-node, {in_node} cards"
 
 
-def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple[float, str]:
+def step_latency(link: Link, gap: float, hw: Hardware) -> float:
+    """Seconds per ring step of a call made `gap` seconds of compute after the rank's previous call:
+    the link's near_latency for a call right after another, its latency after hw.latency_gap or
+    more, in proportion between (first order: measured at both ends by tools/calibrate.py, where
+    a 4 KB gloo call after 7 ms of matmuls costs about 1.6x one right after another)."""
+    if link.near_latency is None or hw.latency_gap <= 0:
+        return link.latency
+    return link.near_latency + (link.latency - link.near_latency) * min(1.0, gap / hw.latency_gap)
+
+
+def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: float = math.inf) -> tuple[float, str]:
     """alpha-beta: each call pays a latency per ring step (all-reduce 2(n-1), reduce-scatter and
     all-gather n-1, a send 1), the bytes sent pay the bandwidth. The data-parallel engines'
     all-gathers and reduce-scatters inside a node use the hardware's own figures for them where
     it gives them (gather_link, scatter_link: gloo's, measured by `local`). On a backend that runs a
-    reduce-scatter as an all-reduce (gloo), sequence parallelism's reduce-scatters pay both twice."""
+    reduce-scatter as an all-reduce (gloo), sequence parallelism's reduce-scatters pay both twice.
+    `gap`: the compute before each call since the rank's previous one (step_latency)."""
     n, link, where = group_link(lay, c.group, hw)
     own = {"all-gather": hw.gather_link, "reduce-scatter": hw.scatter_link}.get(c.kind)
     if own is not None and where == "intra-node":  # gloo's gathers and scatters at their own rates
@@ -149,14 +162,16 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware) -> tuple
         steps = 2 * (n - 1)
     else:
         steps = n - 1
-    seconds = c.calls * steps * link.latency + c.moved_bytes / link.bandwidth
+    seconds = c.calls * steps * step_latency(link, gap, hw) + c.moved_bytes / link.bandwidth
     if c.gather_calls and hw.gather_link and hw.scatter_link and where == "intra-node":
         # cp's allgather mode: its all-gathers and reduce-scatters each at the backend's own rates
         gather, scatter = hw.gather_link, hw.scatter_link
-        seconds = (steps * (c.gather_calls * gather.latency + (c.calls - c.gather_calls) * scatter.latency)
+        seconds = (steps * (c.gather_calls * step_latency(gather, gap, hw)
+                            + (c.calls - c.gather_calls) * step_latency(scatter, gap, hw))
                    + c.gather_bytes / gather.bandwidth + (c.moved_bytes - c.gather_bytes) / scatter.bandwidth)
     if hw.reduce_scatter_as_all_reduce:
-        seconds += c.reduce_scatter_calls * (n - 1) * link.latency + c.reduce_scatter_bytes / link.bandwidth
+        seconds += (c.reduce_scatter_calls * (n - 1) * step_latency(link, gap, hw)
+                    + c.reduce_scatter_bytes / link.bandwidth)
     return seconds, where
 
 
@@ -196,10 +211,23 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     # zero-bubble: torch's input and weight halves of a backward cost more than one full backward
     split = (held.blocks * lay.microbatches * hw.split_backward_overhead + elements * hw.split_backward_elementwise
              if splits_backward(lay) else 0.0)
-    compute = tokens * 3 * fwd / rate + elementwise + overhead + copies + hw.step_overhead + split
-    recompute = tokens * fwd_blocks / rate + (elementwise + overhead) / 3 if lay.activation_checkpointing else 0.0
+    cp = context_parallel_extra(g, lay, held, hw, tokens)
+    compute = tokens * 3 * fwd / rate + elementwise + overhead + copies + hw.step_overhead + split + cp
+    recompute = (tokens * fwd_blocks / rate + (elementwise + overhead + cp) / 3) if lay.activation_checkpointing else 0.0
     busy = hw.busy_node_slowdown if lay.world > 1 else 1.0  # every device of the node computes
     return compute * busy, recompute * busy
+
+
+def context_parallel_extra(g: GPTConfig, lay: PlannedLayout, held: RankTensors, hw: Hardware, tokens: int) -> float:
+    """What context parallelism's attention costs one rank beyond one fused attention over the same
+    pairs (its blocks of the kernel, the merges, the chunks' slicing): per block per micro-batch the
+    hardware's fixed cp_<mode>_overhead, and cp_<mode>_elementwise per activation element of its
+    heads (tokens x width / tp per block)."""
+    if lay.cp == 1:
+        return 0.0
+    fixed, per_element = {"ring": (hw.cp_ring_overhead, hw.cp_ring_elementwise),
+                          "allgather": (hw.cp_allgather_overhead, hw.cp_allgather_elementwise)}[lay.cp_mode]
+    return held.blocks * (lay.microbatches * fixed + tokens * g.n_embd / lay.tp * per_element)
 
 
 def splits_backward(lay: PlannedLayout) -> bool:
@@ -291,8 +319,11 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, te
     under FSDP2)."""
     terms = []
     window = sum(compute)  # compute that overlapped collectives share: each uses up what it hides
+    norms = norm_all_reduces(lay)
+    # first order: the rank's calls spread evenly over its compute (step_latency)
+    gap = sum(compute) / max(1, sum(c.calls for c in traffic) + sum(calls for _, _, calls in norms))
     for c in traffic:
-        seconds, where = collective_seconds(c, lay, hw)
+        seconds, where = collective_seconds(c, lay, hw, gap)
         exposed, hidden = seconds, c.overlaps and hw.overlap
         if hidden:  # DDP's window is the last micro-batch's backward; FSDP2's the whole step
             fsdp = c.kind == "all-gather" or lay.strategy.value in ("fsdp", "zero-3")
@@ -301,9 +332,9 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, te
             window -= seconds - exposed
         terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if hidden else ''})", seconds,
                               exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B / bandwidth"))
-    for group, n, calls in norm_all_reduces(lay):
+    for group, n, calls in norms:
         link = group_link(lay, group, hw)[1]
-        seconds = calls * 2 * (n - 1) * link.latency  # 4 bytes each: latency only
+        seconds = calls * 2 * (n - 1) * step_latency(link, gap, hw)  # 4 bytes each: latency only
         terms.append(TimeTerm(f"norm all-reduce {group}", seconds, seconds,
                               f"{calls} calls x 2(n-1) ring steps x latency (the gradient norm's partial sums)"))
     dispatch = tensors * hw.dtensor_optimizer_overhead if fsdp_sharded(lay) else 0.0

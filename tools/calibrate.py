@@ -5,20 +5,13 @@
 - the link: a gloo all-reduce between 2 local processes (started here, holding the machine-wide
   multi-process lock of tools/processes.py), each call after a few ms of matmuls as in a step, the
   mean counted: a 4 KB all-reduce gives the latency per ring step (2 ranks: 2 steps), an 8 MB
-  one the bandwidth (2 ranks: each sends K);
+  one the bandwidth (2 ranks: each sends K); the 4 KB call again right after the previous one,
+  its near latency, and the compute before each call of the first (latency_gap);
 - memory bandwidth: the best copy of a 64 MB tensor (the optimizer step streams model state);
 - block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
   remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
-- engine overheads: what a tensor-parallel (tp 2) and an FSDP2-sharded (2 ranks) tiny GPT cost per
-  block per micro-batch beyond the plain tiny GPT's step (whose math takes microseconds and whose
-  fixed cost per block is the block overhead above), and what sequence parallelism adds to the
-  tensor-parallel one, timed in one process on
-  torch's fake process group (its collectives return at once, so what remains is the engine's
-  host work: DTensor dispatch and redistribution, FSDP2's hooks and copy-in/out); FSDP2's split
-  into a fixed cost per block and a cost per parameter element (its copies into and out of the
-  gather and reduce-scatter buffers, which grow with the width), from the tiny GPT and a wide
-  shallow one (fsdp_rates); and fused AdamW's step on FSDP2's DTensor shards beyond the same step
-  on plain tensors, per parameter tensor (DTensor's dispatch);
+- engine overheads: what tensor, sequence, FSDP2 and context parallelism cost beyond a plain GPT,
+  timed in one process on torch's fake process group (tools/calibrate_engines.py);
 - compute efficiency and element-wise cost: forward + backward of a 256-wide and a 64-wide block
   on the same 8 x 128 tokens, less the block overhead: the matmuls' fraction of the peak and the
   seconds per activation element of the rest (LayerNorm, GELU, softmax, adds), two equations in
@@ -38,8 +31,6 @@
   the same alone (the cores share the memory system: 1.016 calibrated on the 2-core machine, 1.02-1.03
   by hand on 256-wide blocks).
 
-Every figure is measured with the threads of one rank of a local launch (worker_threads: torchrun's
-OMP_NUM_THREADS=1 unless the environment sets it), whatever the calling shell's threads.
 Every figure is measured with the threads of one rank of a local launch (planner/local_hardware.py
 worker_threads: torchrun's OMP_NUM_THREADS=1 unless the environment sets it), whatever the calling
 shell's threads. All but the peak are cached in `local-hardware.json` beside the CPU peak cache
@@ -58,26 +49,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from model import GPT, Block, GPTConfig, lm_loss
+from model import Block, GPTConfig
 from observe.perf import cpu_peak
-from parallel.tp import apply_tensor_parallel
+from tools.calibrate_engines import ENGINE_MODEL, engines
 from tools.processes import child_env, multiprocess_lock
 
-ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
-# the second FSDP2 GPT, wide and shallow (its math about a ms): with ENGINE_MODEL it separates FSDP2's
-# fixed cost per block from its cost per parameter element (the copies in and out)
-ENGINE_WIDE = (2, 256, 16, 2)
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
 NARROW_WIDTH = 64  # the second block (same positions and sequences) that separates the element-wise work
 SPLIT_STAGES = ((64, 64, 4), (256, 128, 4))  # width, positions, sequences of the stages timed by split_rates
 SPLIT_BLOCKS = 2  # blocks in each of those stages
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
 LINK_KINDS, LINK_ROUNDS = ("all-reduce", "all-gather", "all-to-all"), 4
+GAP_MATMULS = 20  # 256 x 256 matmuls before each call of the latency (about 7 ms on one core)
 
 
 def measure_local() -> dict:
@@ -206,8 +191,7 @@ def _timed(fn) -> float:
 def measure_link_and_engines(timeout_s: float = 180) -> dict:
     """The figures 2 local processes measure (`_link_child`): the busy-node slowdown, the latency per
     ring step and bandwidth of a gloo all-reduce; then, in the first of them (its gloo group closed,
-    its peer gone), the engines' figures on the fake process group (`_engines`: tp, sp and fsdp
-    overheads, fsdp_copy, dtensor_optimizer_overhead, the plain tiny GPT's whole step) with this
+    its peer gone), the engines' figures on the fake process group (tools/calibrate_engines.py) with this
     process's thread count. One launch: a process's imports cost seconds."""
     with tempfile.TemporaryDirectory() as tmp, multiprocess_lock():
         procs = [subprocess.Popen([sys.executable, "-m", "tools.calibrate", str(r), str(Path(tmp) / "store"),
@@ -218,106 +202,6 @@ def measure_link_and_engines(timeout_s: float = 180) -> dict:
     if any(p.returncode for p in procs):
         raise RuntimeError(f"the calibration failed: {outs[0][1].strip()[-300:] or outs[1][1].strip()[-300:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
-
-
-def _engines(threads: int) -> dict:
-    """Rank 0 of 2 on the fake process group: a tiny GPT (microseconds of math, like the block
-    overhead's) plain, tensor-parallel (tp 2), tensor- and sequence-parallel, and FSDP2-sharded (2
-    ranks), and a wide shallow GPT plain and FSDP2-sharded, one step of each in turn for 20 rounds;
-    per block, the median extra over the plain model (sequence parallelism's over the tp model;
-    never below 0), FSDP2's split into a fixed part per block and a part per parameter element
-    (fsdp_rates); then AdamW's fused step on the FSDP2 shards against the same on plain tensors."""
-    torch.set_num_threads(threads)
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    mesh = init_device_mesh("cpu", (2,))
-
-    def gpt(shape: tuple[int, int, int, int] = ENGINE_MODEL) -> GPT:
-        layers, width, positions, _ = shape
-        torch.manual_seed(0)
-        return GPT(GPTConfig(vocab_size=64, block_size=positions, n_layer=layers, n_head=4, n_embd=width, dropout=0.0))
-
-    def sharded(model: GPT) -> GPT:
-        for block in model.blocks.values():
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    models = {"plain": gpt(), "tp": apply_tensor_parallel(gpt(), mesh), "fsdp": sharded(gpt()),
-              "sp": apply_tensor_parallel(gpt(), mesh, sequence_parallel=True),
-              "plain wide": gpt(ENGINE_WIDE), "fsdp wide": sharded(gpt(ENGINE_WIDE))}
-    inputs = {shape: torch.randint(0, 64, (shape[3], shape[2])) for shape in (ENGINE_MODEL, ENGINE_WIDE)}
-    times = {name: [] for name in models}
-    for round_ in range(23):
-        for name, model in models.items():
-            x = inputs[ENGINE_WIDE if name.endswith("wide") else ENGINE_MODEL]
-            seconds = _timed(lambda: lm_loss(model(x), x).backward())
-            if round_ >= 3:  # warm-up: DTensor's sharding caches, FSDP2's lazy init
-                times[name].append(seconds)
-    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-    layers = ENGINE_MODEL[0]
-    extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "sp")}
-    extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
-    fsdp, copy = fsdp_rates(*((median[f"fsdp{w}"] - median[f"plain{w}"], model.cfg.n_layer,
-                               model.num_params(exclude_position=False))
-                              for w, model in (("", models["plain"]), (" wide", models["plain wide"]))))
-    optimizer = _dtensor_optimizer(models["fsdp"])
-    dist.destroy_process_group()
-    return {"tp_overhead": extra["tp"], "sp_overhead": extra["sp"], "fsdp_overhead": fsdp, "fsdp_copy": copy,
-            "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(gpt(), inputs[ENGINE_MODEL])}
-
-
-def fsdp_rates(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tuple[float, float]:
-    """(seconds per block, seconds per parameter element) FSDP2 adds to a micro-batch's forward +
-    backward, from two models' (extra seconds, blocks, parameter elements): extra = blocks x fixed
-    + elements x per_element, two equations in two unknowns. The fixed part is the hooks' host
-    work (the tiny model's extra is nearly all of it); the per-element part the copies in and out
-    of the gather and reduce-scatter buffers, which a tiny model cannot show (measured by hand on
-    the fake process group, docs/planner.md: 1.2-1.3 ms a block at 64 wide, 3-7.7 ms at 256-512
-    wide). A noisy pair that gives a negative part keeps the other alone (never below 0)."""
-    (e1, b1, n1), (e2, b2, n2) = tiny, wide
-    det = b1 * n2 - b2 * n1
-    fixed, per_element = (e1 * n2 - e2 * n1) / det, (b1 * e2 - b2 * e1) / det
-    if per_element <= 0:
-        return max(0.0, e1 / b1), 0.0
-    if fixed <= 0:
-        return 0.0, max(0.0, e2 / n2)
-    return fixed, per_element
-
-
-def _dtensor_optimizer(sharded: GPT, rounds: int = 15) -> float:
-    """Seconds per parameter tensor that fused AdamW's step on FSDP2's DTensor shards takes beyond
-    the same step on plain tensors of the shards' size (parallel/strategy.py fuses both): the
-    median of interleaved rounds, never below 0."""
-    params = list(sharded.parameters())
-    for p in params:  # the fake group's reduce-scatter writes nothing: gradients of a known value
-        p.grad = None if p.grad is None else p.grad.zero_()
-    local = [torch.nn.Parameter(p.to_local().detach().clone()) for p in params]
-    for p, q in zip(local, params):
-        p.grad = torch.zeros_like(p) if q.grad is None else q.grad.to_local().detach().clone()
-    opts = [torch.optim.AdamW(ps, lr=1e-4, fused=True) for ps in (params, local)]
-    times: list[list[float]] = [[], []]
-    for round_ in range(rounds + 3):
-        for opt, t in zip(opts, times):
-            seconds = _timed(opt.step)
-            if round_ >= 3:
-                t.append(seconds)
-    dtensor, tensors = (sorted(t)[len(t) // 2] for t in times)
-    return max(0.0, (dtensor - tensors) / len(params))
-
-
-def _plain_step(model: GPT, x: torch.Tensor) -> float:
-    """The median seconds of a whole training step of the tiny GPT as parallel/strategy.py runs an
-    unsharded one: forward, loss, backward, the gradient norm and clip, fused AdamW, zero_grad."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    times = []
-    for round_ in range(23):
-        t0 = time.perf_counter()
-        lm_loss(model(x), x).backward()
-        grads = [p.grad for p in model.parameters()]
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.nn.utils.get_total_norm(grads, 2.0))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if round_ >= 3:
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def busy_node_slowdown(rank: int, repeats: int = 7) -> float:
@@ -346,18 +230,25 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     gathers; the project's reduce-scatter on gloo, parallel/collectives.py), 1 ring step each at 2
     ranks, each rank sending K/2: gloo's are not a ring's pieces of its all-reduce (measured by
     benchmarks/collective_rates.py: a 4 KB all-gather 2.4 ms where the all-reduce's ring step is
-    0.9 ms), so they get their own figures."""
+    0.9 ms), so they get their own figures. Each kind's small call is timed a third way, right after
+    the previous call with no compute between (its near latency): a call's cost grows with the
+    compute since the rank's last one (planner/timing.py step_latency), and tensor parallelism's or
+    a pipeline's calls follow a fraction of a ms of it, not 7."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     slowdown = busy_node_slowdown(rank)
     a = torch.randn(256, 256)
 
-    def mean_after_work(call, calls: int) -> float:
+    def work() -> None:
+        for _ in range(GAP_MATMULS):  # about 7 ms of matmuls on one core
+            a @ a
+
+    def mean_after_work(call, calls: int, gap: bool = True) -> float:
         for _ in range(3):
             call()
         total = 0.0
         for _ in range(calls):
-            for _ in range(20):  # about 7 ms of matmuls on one core
-                a @ a
+            if gap:
+                work()
             total += _timed(call)
         return total / calls
 
@@ -369,26 +260,31 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
         1.5-2.6 ms in three calibrations two minutes apart)."""
         small, large = torch.ones(SMALL), torch.ones(LARGE)
         out = torch.empty(LARGE)
-        sums = {kind: [0.0, 0.0] for kind in LINK_KINDS}
+        sums = {kind: [0.0, 0.0, 0.0] for kind in LINK_KINDS}
         for _ in range(LINK_ROUNDS):
             for kind in LINK_KINDS:
                 sums[kind][0] += mean_after_work(lambda: collective_call(kind, small, out), 40) / LINK_ROUNDS
                 sums[kind][1] += mean_after_work(lambda: collective_call(kind, large, out), 10) / LINK_ROUNDS
+                # right after another call: the small call's latency with no compute before it
+                sums[kind][2] += mean_after_work(lambda: collective_call(kind, small, out), 40, gap=False) / LINK_ROUNDS
         got = {}
-        for kind, (small_s, large_s) in sums.items():
+        for kind, (small_s, large_s, near_s) in sums.items():
             steps, sent = (2, 1.0) if kind == "all-reduce" else (1, 0.5)
             latency = small_s / steps
             # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
-            got[kind] = latency, sent * large.numel() * large.element_size() / max(large_s - steps * latency, large_s / 2)
+            got[kind] = (latency, sent * large.numel() * large.element_size() / max(large_s - steps * latency, large_s / 2),
+                         near_s / steps)
         return got
     got = rates()
-    (latency, bandwidth), gather, scatter = got["all-reduce"], got["all-gather"], got["all-to-all"]
+    gap = sorted(_timed(work) for _ in range(5))[2]  # the compute before each call of `latency`
+    (latency, bandwidth, near), gather, scatter = got["all-reduce"], got["all-gather"], got["all-to-all"]
     dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps({"latency": latency, "bandwidth": bandwidth, "busy_node_slowdown": slowdown,
-                          "gather_latency": gather[0], "gather_bandwidth": gather[1],
-                          "scatter_latency": scatter[0], "scatter_bandwidth": scatter[1],
-                          **_engines(threads)}), flush=True)
+        print(json.dumps({"latency": latency, "bandwidth": bandwidth, "near_latency": near, "latency_gap": gap,
+                          "busy_node_slowdown": slowdown,
+                          "gather_latency": gather[0], "gather_bandwidth": gather[1], "near_gather_latency": gather[2],
+                          "scatter_latency": scatter[0], "scatter_bandwidth": scatter[1], "near_scatter_latency": scatter[2],
+                          **engines(threads)}), flush=True)
 
 
 if __name__ == "__main__":

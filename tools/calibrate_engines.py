@@ -1,0 +1,189 @@
+"""The engines' host work, the part of `--hardware local` measured in one process on torch's fake
+process group (its collectives return at once, so what remains is each engine's own work on the
+host): tools/calibrate.py runs `engines` in the first of its two processes, after their gloo group
+is closed.
+
+- tp_overhead, sp_overhead: what a tensor-parallel (tp 2) tiny GPT costs per block per micro-batch
+  beyond the plain tiny GPT (DTensor dispatch and redistribution), and what sequence parallelism
+  adds to it;
+- fsdp_overhead, fsdp_copy: what FSDP2 (2 ranks) adds, split into a fixed cost per block (its hooks)
+  and one per parameter element (the copies into and out of the gather and reduce-scatter
+  buffers, which a tiny model cannot show) from the tiny GPT and a wide shallow one (`two_part`);
+- dtensor_optimizer_overhead: fused AdamW's step on FSDP2's DTensor shards beyond the same step on
+  plain tensors, per parameter tensor (DTensor's dispatch);
+- cp_overhead, cp_elementwise (per parallel.cp_mode): what context parallelism's attention (cp 2:
+  its blocks of the fused kernel, the log-sum-exp merges, the chunks' slicing and concatenation)
+  costs per block per micro-batch beyond one fused attention over the same query-key pairs, split
+  into a fixed part and a part per activation element (tokens x width) from the tiny GPT and a
+  wide one. Its ring here is `LocalRing`, whose peer's blocks are this rank's own (the fake
+  group's receive would leave them unwritten, and its reduce-scatter refuses the ring's shapes):
+  the same shapes and kernels, the bytes' time left to the collectives' own figures;
+- plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from model import GPT, GPTConfig, lm_loss
+from parallel.cp import Ring, apply_context_parallel
+from parallel.tp import apply_tensor_parallel
+
+ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
+# the second FSDP2 GPT, wide and shallow (its math about a ms): with ENGINE_MODEL it separates FSDP2's
+# fixed cost per block from its cost per parameter element (the copies in and out)
+ENGINE_WIDE = (2, 256, 16, 2)
+# the second cp GPT: each cp rank's 16 sequences of 16 positions, 256 wide (a few ms of math a block)
+CP_WIDE = (2, 256, 16, 16)
+CP_MODES = ("ring", "allgather")
+ROUNDS, WARMUP = 20, 3
+
+
+class LocalRing(Ring):
+    """Rank 0 of 2 cp ranks whose peer holds the same tensors: every exchange a local copy."""
+
+    def __init__(self):  # no process group
+        self.group, self.rank, self.size = None, 0, 2
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t, t])
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        return t.sum(0)
+
+    def start_shift(self, tensors, tag: int):
+        return lambda: [t.clone() for t in tensors]
+
+
+def _gpt(shape: tuple[int, int, int, int], positions: int | None = None) -> GPT:
+    layers, width, block, _ = shape
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=positions or block, n_layer=layers, n_head=4, n_embd=width,
+                         dropout=0.0))
+
+
+def _context_parallel(shape: tuple[int, int, int, int], mode: str) -> GPT:
+    """cp rank 0 of 2 of a GPT whose sequences are twice `shape`'s positions long."""
+    model = _gpt(shape, 2 * shape[2])
+    apply_context_parallel(model, LocalRing(), mode)
+    return model
+
+
+def _medians(models: dict[str, tuple[torch.nn.Module, torch.Tensor]]) -> dict[str, float]:
+    """The median forward + backward seconds of each (model, input), one step of each in turn."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for round_ in range(ROUNDS + WARMUP):
+        for name, (model, x) in models.items():
+            seconds = _timed(lambda: lm_loss(model(x), x).backward())
+            if round_ >= WARMUP:  # warm-up: DTensor's sharding caches, FSDP2's lazy init
+                times[name].append(seconds)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def engines(threads: int) -> dict:
+    """Rank 0 of 2 on the fake process group: each model's median over interleaved rounds, per
+    block the extra over its plain twin (sequence parallelism's over the tp model; never below 0)."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    mesh = init_device_mesh("cpu", (2,))
+
+    def sharded(model: GPT) -> GPT:
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def tokens(shape: tuple[int, int, int, int], stretch: int = 1) -> torch.Tensor:
+        return torch.randint(0, 64, (shape[3] // stretch, shape[2] * stretch))
+    small, wide, cp_wide = tokens(ENGINE_MODEL), tokens(ENGINE_WIDE), tokens(CP_WIDE)
+    models = {"plain": (_gpt(ENGINE_MODEL), small), "tp": (apply_tensor_parallel(_gpt(ENGINE_MODEL), mesh), small),
+              "sp": (apply_tensor_parallel(_gpt(ENGINE_MODEL), mesh, sequence_parallel=True), small),
+              "fsdp": (sharded(_gpt(ENGINE_MODEL)), small),
+              "plain wide": (_gpt(ENGINE_WIDE), wide), "fsdp wide": (sharded(_gpt(ENGINE_WIDE)), wide),
+              # the same tokens and query-key pairs as cp rank 0's: half the sequences, twice as long
+              "plain cp": (_gpt(ENGINE_MODEL, 2 * ENGINE_MODEL[2]), tokens(ENGINE_MODEL, 2)),
+              "plain cp wide": (_gpt(CP_WIDE, 2 * CP_WIDE[2]), tokens(CP_WIDE, 2))}
+    for mode in CP_MODES:
+        models[f"cp {mode}"] = (_context_parallel(ENGINE_MODEL, mode), small)
+        models[f"cp {mode} wide"] = (_context_parallel(CP_WIDE, mode), cp_wide)
+    median = _medians(models)
+    layers = ENGINE_MODEL[0]
+    extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "sp")}
+    extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
+    fsdp, copy = two_part(*((median[f"fsdp{w}"] - median[f"plain{w}"], shape[0], models[f"plain{w}"][0].num_params(
+        exclude_position=False)) for w, shape in (("", ENGINE_MODEL), (" wide", ENGINE_WIDE))))
+    cp = {mode: two_part(*((median[f"cp {mode}{w}"] - median[f"plain cp{w}"], shape[0], shape[0] * shape[1] * shape[2] * shape[3])
+                           for w, shape in (("", ENGINE_MODEL), (" wide", CP_WIDE)))) for mode in CP_MODES}
+    optimizer = _dtensor_optimizer(models["fsdp"][0])
+    dist.destroy_process_group()
+    return {"tp_overhead": extra["tp"], "sp_overhead": extra["sp"], "fsdp_overhead": fsdp, "fsdp_copy": copy,
+            "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(_gpt(ENGINE_MODEL), small),
+            **{f"cp_{mode}_overhead": cp[mode][0] for mode in CP_MODES},
+            **{f"cp_{mode}_elementwise": cp[mode][1] for mode in CP_MODES}}
+
+
+def two_part(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tuple[float, float]:
+    """(seconds per block, seconds per element) an engine adds to a micro-batch's forward + backward,
+    from two models' (extra seconds, blocks, elements): extra = blocks x fixed + elements x
+    per_element, two equations in two unknowns. FSDP2's elements are its parameter elements (the
+    copies in and out of its buffers; by hand on the fake process group, docs/planner.md: 1.2-1.3 ms
+    a block at 64 wide, 3-7.7 ms at 256-512 wide), context parallelism's the activation elements
+    its attention goes through (tokens x width per block). The fixed part is the host work the tiny
+    model's extra is nearly all of. A noisy pair that gives a negative part keeps the other alone
+    (never below 0)."""
+    (e1, b1, n1), (e2, b2, n2) = tiny, wide
+    det = b1 * n2 - b2 * n1
+    fixed, per_element = (e1 * n2 - e2 * n1) / det, (b1 * e2 - b2 * e1) / det
+    if per_element <= 0:
+        return max(0.0, e1 / b1), 0.0
+    if fixed <= 0:
+        return 0.0, max(0.0, e2 / n2)
+    return fixed, per_element
+
+
+def _dtensor_optimizer(sharded: GPT, rounds: int = 15) -> float:
+    """Seconds per parameter tensor that fused AdamW's step on FSDP2's DTensor shards takes beyond
+    the same step on plain tensors of the shards' size (parallel/strategy.py fuses both): the
+    median of interleaved rounds, never below 0."""
+    params = list(sharded.parameters())
+    for p in params:  # the fake group's reduce-scatter writes nothing: gradients of a known value
+        p.grad = None if p.grad is None else p.grad.zero_()
+    local = [torch.nn.Parameter(p.to_local().detach().clone()) for p in params]
+    for p, q in zip(local, params):
+        p.grad = torch.zeros_like(p) if q.grad is None else q.grad.to_local().detach().clone()
+    opts = [torch.optim.AdamW(ps, lr=1e-4, fused=True) for ps in (params, local)]
+    times: list[list[float]] = [[], []]
+    for round_ in range(rounds + 3):
+        for opt, t in zip(opts, times):
+            seconds = _timed(opt.step)
+            if round_ >= 3:
+                t.append(seconds)
+    dtensor, tensors = (sorted(t)[len(t) // 2] for t in times)
+    return max(0.0, (dtensor - tensors) / len(params))
+
+
+def _plain_step(model: GPT, x: torch.Tensor) -> float:
+    """The median seconds of a whole training step of the tiny GPT as parallel/strategy.py runs an
+    unsharded one: forward, loss, backward, the gradient norm and clip, fused AdamW, zero_grad."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    times = []
+    for round_ in range(23):
+        t0 = time.perf_counter()
+        lm_loss(model(x), x).backward()
+        grads = [p.grad for p in model.parameters()]
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.nn.utils.get_total_norm(grads, 2.0))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if round_ >= 3:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
