@@ -102,7 +102,7 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             # torch's zero-bubble split backward beyond a full one (tools/calibrate.py split_rates)
             "split_backward_overhead": cached["split_backward_overhead"],
             "split_backward_elementwise": cached["split_backward_elementwise"],
-            # FSDP2's copies per parameter element, AdamW's DTensor dispatch per tensor (tools/calibrate.py _engines)
+            # FSDP2's copies per parameter element, AdamW's DTensor dispatch per tensor (tools/calibrate_engines.py)
             "fsdp_copy": cached["fsdp_copy"], "dtensor_optimizer_overhead": cached["dtensor_optimizer_overhead"],
             "latency_gap": cached["latency_gap"],
             # context parallelism's attention beyond one fused attention (tools/calibrate_engines.py)

@@ -3,21 +3,26 @@
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
     compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
-                 + copies + step_overhead + split) x busy   forward + backward (2x forward)
+                 + copies + step_overhead + split + cp) x busy   forward + backward (2x forward)
     w         = h (h / t with sequence parallelism, h (1 + 1/t) / 2 with plain tp): the activation
                 elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
     busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
     copies    = fsdp_copy x its parameter elements x M under FSDP2: the copies in and out of its buffers
-    recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M) / 3   activation checkpointing
+    recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M + cp) / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
+    cp        = blocks x (cp_<mode>_overhead x M + T x h / t x cp_<mode>_elementwise) (x (cp - 1) for the
+                ring)   context parallelism's attention beyond one fused attention over the same pairs
     split     = blocks x (split_backward_overhead x M + T x w x split_backward_elementwise)   zero-bubble
                 schedules only: torch's input and weight halves of a backward cost more than one full backward
     bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (planner/schedule.py)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
                 (+ dtensor_optimizer_overhead x its parameter tensors under FSDP2: the fused kernel on DTensors)
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
+    latency   = near_latency + (latency - near_latency) x min(1, gap / latency_gap) where the hardware
+                gives both (local: gloo's threads sleep between calls, so a call costs more the longer
+                the rank computed since its last one); gap = the rank's compute / its calls per step
 
 A group's link class follows the mesh order of parallel/layout.py, ("pp", "dp", "tp") with tp
 innermost: global rank = (pp x dp + dp_rank) x tp + tp_rank, so a group of n ranks at stride st
@@ -222,12 +227,15 @@ def context_parallel_extra(g: GPTConfig, lay: PlannedLayout, held: RankTensors, 
     """What context parallelism's attention costs one rank beyond one fused attention over the same
     pairs (its blocks of the kernel, the merges, the chunks' slicing): per block per micro-batch the
     hardware's fixed cp_<mode>_overhead, and cp_<mode>_elementwise per activation element of its
-    heads (tokens x width / tp per block)."""
+    heads (tokens x width / tp per block), the ring's x (cp - 1)."""
     if lay.cp == 1:
         return 0.0
     fixed, per_element = {"ring": (hw.cp_ring_overhead, hw.cp_ring_elementwise),
                           "allgather": (hw.cp_allgather_overhead, hw.cp_allgather_elementwise)}[lay.cp_mode]
-    return held.blocks * (lay.microbatches * fixed + tokens * g.n_embd / lay.tp * per_element)
+    # measured at cp 2 (tools/calibrate_engines.py); the ring's kernel blocks, merges and shifts per
+    # rank grow with cp - 1, allgather's blocks stay at most 4 a rank (first order, not measured beyond 2)
+    grows = lay.cp - 1 if lay.cp_mode == "ring" else 1
+    return grows * held.blocks * (lay.microbatches * fixed + tokens * g.n_embd / lay.tp * per_element)
 
 
 def splits_backward(lay: PlannedLayout) -> bool:
@@ -280,6 +288,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
                       f"{f' + {hw.fsdp_copy * 1e9:.3g} ns x parameters x M (FSDP2 copies)' if hw.fsdp_copy and fsdp_sharded(lay) else ''}"
                       f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
                       f"{' + the split backward (zero-bubble)' if splits_backward(lay) else ''}"
+                      f"{f' + context parallelism attention ({lay.cp_mode})' if lay.cp > 1 else ''}"
                       f"{f', x {hw.busy_node_slowdown:.3g} on a busy node' if hw.busy_node_slowdown > 1 and world > 1 else ''}")]
     if lay.activation_checkpointing:
         terms.append(TimeTerm("recompute", compute[slow][1], compute[slow][1], "one more forward of every block"))
@@ -320,8 +329,10 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, te
     terms = []
     window = sum(compute)  # compute that overlapped collectives share: each uses up what it hides
     norms = norm_all_reduces(lay)
-    # first order: the rank's calls spread evenly over its compute (step_latency)
-    gap = sum(compute) / max(1, sum(c.calls for c in traffic) + sum(calls for _, _, calls in norms))
+    # first order: the rank's calls spread evenly over its compute (step_latency), which takes
+    # ranks / cores as long on a shared node with more ranks than cores
+    gap = sum(compute) * oversubscription(lay, hw) / max(1, sum(c.calls for c in traffic)
+                                                         + sum(calls for _, _, calls in norms))
     for c in traffic:
         seconds, where = collective_seconds(c, lay, hw, gap)
         exposed, hidden = seconds, c.overlaps and hw.overlap

@@ -62,7 +62,7 @@ SPLIT_STAGES = ((64, 64, 4), (256, 128, 4))  # width, positions, sequences of th
 SPLIT_BLOCKS = 2  # blocks in each of those stages
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
 LINK_KINDS, LINK_ROUNDS = ("all-reduce", "all-gather", "all-to-all"), 4
-GAP_MATMULS = 20  # 256 x 256 matmuls before each call of the latency (about 7 ms on one core)
+GAP_MATMULS = 20  # 256 x 256 matmuls before each far call of the link (about 7 ms on one core)
 
 
 def measure_local() -> dict:
@@ -190,7 +190,8 @@ def _timed(fn) -> float:
 
 def measure_link_and_engines(timeout_s: float = 180) -> dict:
     """The figures 2 local processes measure (`_link_child`): the busy-node slowdown, the latency per
-    ring step and bandwidth of a gloo all-reduce; then, in the first of them (its gloo group closed,
+    ring step (after ~7 ms of compute, and right after the previous call) and bandwidth of gloo's
+    all-reduce, all-gather and all-to-all, the compute gap; then, in the first of them (its gloo group closed,
     its peer gone), the engines' figures on the fake process group (tools/calibrate_engines.py) with this
     process's thread count. One launch: a process's imports cost seconds."""
     with tempfile.TemporaryDirectory() as tmp, multiprocess_lock():
@@ -220,6 +221,55 @@ def busy_node_slowdown(rank: int, repeats: int = 7) -> float:
     return max(1.0, both / alone) if rank == 0 else 1.0
 
 
+class LinkTimer:
+    """The link's calls as a step issues them: each after GAP_MATMULS matmuls of ~7 ms on both
+    ranks (`work`), or right after the previous call."""
+
+    def __init__(self):
+        self.a = torch.randn(256, 256)
+
+    def work(self) -> None:
+        for _ in range(GAP_MATMULS):
+            self.a @ self.a
+
+    def mean(self, call, calls: int, gap: bool = True) -> float:
+        """The mean seconds of `calls` calls, each after `work` (gap) or right after the last."""
+        for _ in range(3):
+            call()
+        total = 0.0
+        for _ in range(calls):
+            if gap:
+                self.work()
+            total += _timed(call)
+        return total / calls
+
+    def rates(self) -> dict[str, tuple[float, float, float]]:
+        """Per kind: (seconds per ring step after `work`, bytes/s one rank sends, seconds per ring step
+        right after the previous call) at 2 ranks. The calls' times are heavy-tailed (_link_child),
+        so their mean needs many: 160 small calls a kind after `work`, 160 right after another and
+        40 large, in LINK_ROUNDS rounds with the kinds taking turns, so that a slow minute of the
+        machine weighs on all three alike (40 and 20 calls, one kind after the other, gave a gather
+        latency of 1.5-2.6 ms in three calibrations two minutes apart)."""
+        small, large = torch.ones(SMALL), torch.ones(LARGE)
+        out = torch.empty(LARGE)
+        sums = {kind: [0.0, 0.0, 0.0] for kind in LINK_KINDS}
+        for _ in range(LINK_ROUNDS):
+            for kind in LINK_KINDS:
+                sums[kind][0] += self.mean(lambda: collective_call(kind, small, out), 40) / LINK_ROUNDS
+                sums[kind][1] += self.mean(lambda: collective_call(kind, large, out), 10) / LINK_ROUNDS
+                sums[kind][2] += self.mean(lambda: collective_call(kind, small, out), 40, gap=False) / LINK_ROUNDS
+        got = {}
+        for kind, (small_s, large_s, near_s) in sums.items():
+            steps, sent = (2, 1.0) if kind == "all-reduce" else (1, 0.5)
+            latency = small_s / steps
+            # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
+            bandwidth = sent * large.numel() * large.element_size() / max(large_s - steps * latency, large_s / 2)
+            # a call right after another never costs more than one after the gap: a noisy mean of
+            # the near calls is held to the far one
+            got[kind] = latency, bandwidth, min(near_s / steps, latency)
+        return got
+
+
 def _link_child(rank: int, store_path: str, threads: int) -> None:
     """One of the 2 calibration processes. A step issues each collective after a stretch of compute,
     and its time sums many of them: so each call here follows the same ~7 ms of matmuls on both
@@ -233,50 +283,13 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     0.9 ms), so they get their own figures. Each kind's small call is timed a third way, right after
     the previous call with no compute between (its near latency): a call's cost grows with the
     compute since the rank's last one (planner/timing.py step_latency), and tensor parallelism's or
-    a pipeline's calls follow a fraction of a ms of it, not 7."""
+    a pipeline's calls follow a fraction of a ms of it, not 7; `latency_gap` is the median time of
+    the compute before each far call."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     slowdown = busy_node_slowdown(rank)
-    a = torch.randn(256, 256)
-
-    def work() -> None:
-        for _ in range(GAP_MATMULS):  # about 7 ms of matmuls on one core
-            a @ a
-
-    def mean_after_work(call, calls: int, gap: bool = True) -> float:
-        for _ in range(3):
-            call()
-        total = 0.0
-        for _ in range(calls):
-            if gap:
-                work()
-            total += _timed(call)
-        return total / calls
-
-    def rates() -> dict[str, tuple[float, float]]:
-        """Per kind: (seconds per ring step, bytes/s one rank sends) at 2 ranks. The calls' times are
-        heavy-tailed (above), so their mean needs many: 160 small and 40 large calls a kind, in
-        LINK_ROUNDS rounds with the kinds taking turns, so that a slow minute of the machine weighs
-        on all three alike (40 and 20 calls, one kind after the other, gave a gather latency of
-        1.5-2.6 ms in three calibrations two minutes apart)."""
-        small, large = torch.ones(SMALL), torch.ones(LARGE)
-        out = torch.empty(LARGE)
-        sums = {kind: [0.0, 0.0, 0.0] for kind in LINK_KINDS}
-        for _ in range(LINK_ROUNDS):
-            for kind in LINK_KINDS:
-                sums[kind][0] += mean_after_work(lambda: collective_call(kind, small, out), 40) / LINK_ROUNDS
-                sums[kind][1] += mean_after_work(lambda: collective_call(kind, large, out), 10) / LINK_ROUNDS
-                # right after another call: the small call's latency with no compute before it
-                sums[kind][2] += mean_after_work(lambda: collective_call(kind, small, out), 40, gap=False) / LINK_ROUNDS
-        got = {}
-        for kind, (small_s, large_s, near_s) in sums.items():
-            steps, sent = (2, 1.0) if kind == "all-reduce" else (1, 0.5)
-            latency = small_s / steps
-            # at least half the call is the bytes' time: a noisy latency cannot turn into an absurd bandwidth
-            got[kind] = (latency, sent * large.numel() * large.element_size() / max(large_s - steps * latency, large_s / 2),
-                         near_s / steps)
-        return got
-    got = rates()
-    gap = sorted(_timed(work) for _ in range(5))[2]  # the compute before each call of `latency`
+    timer = LinkTimer()
+    got = timer.rates()
+    gap = sorted(_timed(timer.work) for _ in range(5))[2]
     (latency, bandwidth, near), gather, scatter = got["all-reduce"], got["all-gather"], got["all-to-all"]
     dist.destroy_process_group()
     if rank == 0:

@@ -11,13 +11,14 @@ is closed.
   buffers, which a tiny model cannot show) from the tiny GPT and a wide shallow one (`two_part`);
 - dtensor_optimizer_overhead: fused AdamW's step on FSDP2's DTensor shards beyond the same step on
   plain tensors, per parameter tensor (DTensor's dispatch);
-- cp_overhead, cp_elementwise (per parallel.cp_mode): what context parallelism's attention (cp 2:
+- cp_<mode>_overhead, cp_<mode>_elementwise (per parallel.cp_mode): what context parallelism's attention (cp 2:
   its blocks of the fused kernel, the log-sum-exp merges, the chunks' slicing and concatenation)
   costs per block per micro-batch beyond one fused attention over the same query-key pairs, split
   into a fixed part and a part per activation element (tokens x width) from the tiny GPT and a
   wide one. Its ring here is `LocalRing`, whose peer's blocks are this rank's own (the fake
   group's receive would leave them unwritten, and its reduce-scatter refuses the ring's shapes):
-  the same shapes and kernels, the bytes' time left to the collectives' own figures;
+  the same shapes and kernels, the bytes' time left to the collectives' own figures. Measured at
+  cp 2; planner/timing.py scales the ring's by cp - 1;
 - plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds.
 """
 from __future__ import annotations
@@ -45,10 +46,14 @@ ROUNDS, WARMUP = 20, 3
 
 
 class LocalRing(Ring):
-    """Rank 0 of 2 cp ranks whose peer holds the same tensors: every exchange a local copy."""
+    """One of 2 cp ranks (rank 1: under allgather it computes 4 blocks of the kernel where rank 0
+    computes 3, and the step waits for the slowest; the ring's ranks are alike) whose peer holds
+    the same tensors: a shift hands back what it sends (gloo writes the peer's into a buffer
+    without this rank's cores copying: the bytes' time is the collectives' own figure), the
+    all-gather stacks and the reduce-scatter sums (their outputs are new tensors on gloo too)."""
 
-    def __init__(self):  # no process group
-        self.group, self.rank, self.size = None, 0, 2
+    def __init__(self, rank: int = 1):  # no process group
+        self.group, self.rank, self.size = None, rank, 2
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         return torch.stack([t, t])
@@ -57,7 +62,7 @@ class LocalRing(Ring):
         return t.sum(0)
 
     def start_shift(self, tensors, tag: int):
-        return lambda: [t.clone() for t in tensors]
+        return lambda: list(tensors)
 
 
 def _gpt(shape: tuple[int, int, int, int], positions: int | None = None) -> GPT:
@@ -68,7 +73,7 @@ def _gpt(shape: tuple[int, int, int, int], positions: int | None = None) -> GPT:
 
 
 def _context_parallel(shape: tuple[int, int, int, int], mode: str) -> GPT:
-    """cp rank 0 of 2 of a GPT whose sequences are twice `shape`'s positions long."""
+    """cp rank 1 of 2 of a GPT whose sequences are twice `shape`'s positions long."""
     model = _gpt(shape, 2 * shape[2])
     apply_context_parallel(model, LocalRing(), mode)
     return model
@@ -104,7 +109,8 @@ def engines(threads: int) -> dict:
               "sp": (apply_tensor_parallel(_gpt(ENGINE_MODEL), mesh, sequence_parallel=True), small),
               "fsdp": (sharded(_gpt(ENGINE_MODEL)), small),
               "plain wide": (_gpt(ENGINE_WIDE), wide), "fsdp wide": (sharded(_gpt(ENGINE_WIDE)), wide),
-              # the same tokens and query-key pairs as cp rank 0's: half the sequences, twice as long
+              # the same tokens and query-key pairs as a cp rank's (the zigzag split gives each rank
+              # the same pairs: planner/timing.py attention_flops): half the sequences, twice as long
               "plain cp": (_gpt(ENGINE_MODEL, 2 * ENGINE_MODEL[2]), tokens(ENGINE_MODEL, 2)),
               "plain cp wide": (_gpt(CP_WIDE, 2 * CP_WIDE[2]), tokens(CP_WIDE, 2))}
     for mode in CP_MODES:
@@ -157,10 +163,10 @@ def _dtensor_optimizer(sharded: GPT, rounds: int = 15) -> float:
         p.grad = torch.zeros_like(p) if q.grad is None else q.grad.to_local().detach().clone()
     opts = [torch.optim.AdamW(ps, lr=1e-4, fused=True) for ps in (params, local)]
     times: list[list[float]] = [[], []]
-    for round_ in range(rounds + 3):
+    for round_ in range(rounds + WARMUP):
         for opt, t in zip(opts, times):
             seconds = _timed(opt.step)
-            if round_ >= 3:
+            if round_ >= WARMUP:
                 t.append(seconds)
     dtensor, tensors = (sorted(t)[len(t) // 2] for t in times)
     return max(0.0, (dtensor - tensors) / len(params))
@@ -171,14 +177,14 @@ def _plain_step(model: GPT, x: torch.Tensor) -> float:
     unsharded one: forward, loss, backward, the gradient norm and clip, fused AdamW, zero_grad."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     times = []
-    for round_ in range(23):
+    for round_ in range(ROUNDS + WARMUP):
         t0 = time.perf_counter()
         lm_loss(model(x), x).backward()
         grads = [p.grad for p in model.parameters()]
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.nn.utils.get_total_norm(grads, 2.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if round_ >= 3:
+        if round_ >= WARMUP:
             times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 

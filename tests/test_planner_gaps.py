@@ -1,0 +1,198 @@
+"""The time model's terms that depend on where a rank's work falls (planner/timing.py): a
+collective's latency by the compute since the rank's previous call (step_latency), and context
+parallelism's attention beyond one fused attention (context_parallel_extra); both figures read
+from a hardware file, and a bad one refused in one line."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import main as app
+import planner
+from checks import load_config
+from planner.hardware import Link, load_hardware
+from planner.timing import group_link, norm_all_reduces, step_latency
+from testing.local import TINY
+
+FAR, NEAR, GAP = 1e-3, 2e-4, 5e-3  # seconds per ring step after GAP of compute, and right after a call
+
+
+def _base():
+    """An h100 node cut to 2 devices with nothing overlapped: every term is exposed."""
+    return dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False,
+                               intra_node=Link(1e9, FAR), inter_node=Link(1e9, FAR))
+
+
+def _plan(tmp_path, hw, *overrides):
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", *overrides])
+    return planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+
+
+def test_a_call_pays_between_its_near_latency_and_its_latency_by_the_compute_before_it():
+    """Right after another call: near_latency; after latency_gap of compute or more: latency; in
+    proportion between. A link without near_latency, or hardware without latency_gap (every GPU
+    file), pays latency whatever the gap."""
+    gapped = dataclasses.replace(_base(), latency_gap=GAP)
+    link = Link(1e9, FAR, NEAR)
+    assert step_latency(link, 0.0, gapped) == pytest.approx(NEAR)
+    assert step_latency(link, GAP / 4, gapped) == pytest.approx(NEAR + (FAR - NEAR) / 4)
+    assert step_latency(link, GAP, gapped) == pytest.approx(FAR)
+    assert step_latency(link, 10 * GAP, gapped) == pytest.approx(FAR)  # not beyond what was measured
+    assert step_latency(Link(1e9, FAR), 0.0, gapped) == FAR
+    assert step_latency(link, 0.0, _base()) == FAR
+
+
+def _latency_s(tmp_path, overrides) -> float:
+    """The seconds of a step's latency at FAR a ring step: the step less the same step on links of none."""
+    none = dataclasses.replace(_base(), intra_node=Link(1e9, 1e-12), inter_node=Link(1e9, 1e-12))
+    return _plan(tmp_path, _base(), *overrides).time.step_s - _plan(tmp_path, none, *overrides).time.step_s
+
+
+def _near(latency_gap: float):
+    return dataclasses.replace(_base(), intra_node=Link(1e9, FAR, NEAR), inter_node=Link(1e9, FAR, NEAR),
+                               latency_gap=latency_gap)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("parallel.strategy=none", "parallel.tp=2"), ("parallel.strategy=zero", "parallel.zero_stage=2"),
+    ("parallel.strategy=none", "parallel.pp=2", "parallel.microbatches=4")])
+def test_calls_that_follow_little_compute_pay_the_near_latency(tmp_path, overrides):
+    """Measured after a gap far longer than any rank's compute per call, every ring step of the
+    step (the collectives' and the gradient norm's) costs near_latency instead of latency."""
+    far, latency_s = _plan(tmp_path, _base(), *overrides).time.step_s, _latency_s(tmp_path, overrides)
+    near = _plan(tmp_path, _near(1e9), *overrides).time.step_s
+    assert latency_s > 0 and far - near == pytest.approx(latency_s * (1 - NEAR / FAR), rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("parallel.strategy=none", "parallel.tp=2"), ("parallel.strategy=zero", "parallel.zero_stage=2")])
+def test_each_rank_spreads_its_calls_over_its_compute(tmp_path, overrides):
+    """A rank's gap is its compute over its calls in a step (the collectives' and the gradient
+    norm's): with latency_gap 4 x that gap, each ring step costs a quarter of the way from
+    near_latency to latency."""
+    far = _plan(tmp_path, _base(), *overrides)
+    compute = {t.name: t.seconds for t in far.time.terms}["compute"]
+    calls = sum(c.calls for c in far.collectives) + sum(n for _, _, n in norm_all_reduces(far.layout))
+    quarter = _plan(tmp_path, _near(4 * compute / calls), *overrides).time.step_s
+    saved = _latency_s(tmp_path, overrides) * (1 - (NEAR + (FAR - NEAR) / 4) / FAR)
+    assert far.time.step_s - quarter == pytest.approx(saved, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_context_parallel_pays_its_attention_per_block_and_per_element(tmp_path, mode):
+    """cp_<mode>_overhead per block per micro-batch, cp_<mode>_elementwise per activation element
+    (this rank's tokens x width per block), in the compute; the other mode's figures and every
+    other layout are untouched. TINY: 4 blocks of 32 wide, batch 8 x block 16, cp 2: 64 tokens a rank."""
+    cp = ("parallel.strategy=none", "parallel.cp=2", f"parallel.cp_mode={mode}")
+    other = "allgather" if mode == "ring" else "ring"
+    base = _base()
+    priced = dataclasses.replace(base, **{f"cp_{mode}_overhead": 1e-3, f"cp_{mode}_elementwise": 1e-9})
+    elsewhere = dataclasses.replace(base, **{f"cp_{other}_overhead": 1e-3, f"cp_{other}_elementwise": 1e-9})
+    plans = [_plan(tmp_path, hw, *cp) for hw in (base, priced, elsewhere)]
+    compute = [{t.name: t.seconds for t in p.time.terms}["compute"] for p in plans]
+    micro = plans[0].layout.microbatches
+    assert compute[1] - compute[0] == pytest.approx(4 * (micro * 1e-3 + 64 * 32 * 1e-9))
+    assert compute[2] == compute[0]
+    ddp = [_plan(tmp_path, hw, "parallel.strategy=ddp").time.step_s for hw in (base, priced)]
+    assert ddp[0] == ddp[1]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5, near_latency: -1.0e-6}\n", "needs near_latency: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5, near_latency: soon}\n", "needs near_latency: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\nlatency_gap: -0.007\n", "needs latency_gap: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter", "needs near_latency: a positive number"),  # inter_node's
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ncp_ring_overhead: -1\n", "needs cp_ring_overhead: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ncp_allgather_elementwise: slow\n",
+     "needs cp_allgather_elementwise: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ncp_ring_elementwise: -1.0e-9\n",
+     "needs cp_ring_elementwise: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ncp_allgather_overhead: -1\n",
+     "needs cp_allgather_overhead: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "all_gather_link: {bandwidth: 1.0e+9, latency: 1.0e-5, near_latency: 0}\n", "needs near_latency: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "reduce_scatter_link: {bandwidth: 1.0e+9, latency: 1.0e-5, near_latency: [1]}\n",
+     "needs near_latency: a positive number"),
+])
+def test_bad_gap_and_cp_figures_are_one_line_exit_2(tmp_path, capsys, spec, message):
+    bad = tmp_path / "bad.yaml"
+    inter = ("inter_node: {bandwidth: 1.0e+9, latency: 1.0e-5, near_latency: -1}\n" if "intra_node: {bandwidth: 1.0e+9, "
+             "latency: 1.0e-5}\ninter" in spec else "inter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n")
+    bad.write_text("name: x\ndevices_per_node: 8\nmemory: 80GB\npeak_flops: {fp32: 1.0e+12}\n"
+                   + inter + "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\n" + spec.replace("\ninter", "\n"))
+    assert app.main(["--plan", "--hardware", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_hardware_file_reads_near_latency_and_the_gap(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("name: x\ndevices_per_node: 8\nmemory: 80GB\npeak_flops: {fp32: 1.0e+12}\n"
+                    "intra_node: {bandwidth: 1.0e+9, latency: 1.0e-3, near_latency: 2.0e-4}\n"
+                    "inter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\nmemory_bandwidth: 1.0e+9\n"
+                    "compute_efficiency: 0.5\nlatency_gap: 0.005\ncp_ring_overhead: 3.0e-4\n")
+    hw = load_hardware(str(good))
+    assert hw.intra_node == Link(1e9, 1e-3, 2e-4) and hw.inter_node.near_latency is None
+    assert hw.latency_gap == 0.005 and hw.cp_ring_overhead == 3e-4 and hw.cp_allgather_overhead == 0.0
+
+
+def test_a_group_across_nodes_keeps_its_cards_near_latency(tmp_path):
+    """fsdp over 4 ranks, 2 per node: the dp group runs 2 rings across nodes at the network's
+    latencies, near_latency included."""
+    hw = dataclasses.replace(_base(), intra_node=Link(100e9, 1e-5, 1e-6), inter_node=Link(1e9, FAR, NEAR))
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "parallel.strategy=fsdp"])
+    lay = planner.check_layout(cfg, 4)
+    size, link, where = group_link(planner.plan_layout(cfg, planner.gpt_config(cfg, 65), lay, True, None, hw).layout,
+                                   "dp", hw)
+    assert (size, where) == (4, "inter-node, 2 cards") and (link.latency, link.near_latency) == (FAR, NEAR)
+
+
+def test_ranks_sharing_a_core_compute_longer_between_calls(tmp_path):
+    """4 ranks on a 2-core shared node: each rank's compute between two calls takes twice as long
+    (every term is stretched by ranks / cores), so its gap is twice its unstretched compute over
+    its calls: with latency_gap 4 x the unstretched gap, each ring step costs half the way from
+    near_latency to latency, not a quarter."""
+    def plan(latency_gap: float):
+        hw = dataclasses.replace(_near(latency_gap), shared_node=True, block_overhead=1e-3)
+        cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "parallel.strategy=none", "parallel.tp=4",
+                                        "trainer.micro_batch_size=0"])
+        return planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 4), True, None, hw)
+    first = plan(1.0)
+    compute = {t.name: t.seconds for t in first.time.terms}["compute"] / 2  # the stretch undone
+    calls = sum(c.calls for c in first.collectives) + sum(n for _, _, n in norm_all_reduces(first.layout))
+    lp = plan(4 * compute / calls)
+    tp = {t.name: t.seconds for t in lp.time.terms}["tp tp (intra-node)"] / 2
+    c = next(c for c in lp.collectives if c.kind == "tp")
+    assert compute > 1e-3 and tp == pytest.approx(c.calls * 2 * (4 - 1) * (NEAR + (FAR - NEAR) / 2) + c.moved_bytes / 1e9,
+                                                  rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides, width, grows", [
+    (("parallel.cp=4",), 32, 3), (("parallel.cp=4", "parallel.cp_mode=allgather"), 32, 1),
+    (("parallel.cp=2", "parallel.tp=2", "model.n_head=4"), 16, 1)])
+def test_context_parallel_extra_at_other_degrees(tmp_path, overrides, width, grows):
+    """At 4 ranks: the ring's figure x (cp - 1) (its blocks, merges and shifts per rank grow with
+    cp), allgather's as measured; under cp x tp each rank's heads are width / tp wide."""
+    base = dataclasses.replace(_base(), devices_per_node=4)
+    priced = dataclasses.replace(base, cp_ring_overhead=1e-3, cp_ring_elementwise=1e-9, cp_allgather_overhead=1e-3,
+                                 cp_allgather_elementwise=1e-9)
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "parallel.strategy=none", "trainer.micro_batch_size=0",
+                                    *overrides])
+    g, lay = planner.gpt_config(cfg, 65), planner.check_layout(cfg, 4)
+    plans = [planner.plan_layout(cfg, g, lay, True, None, hw) for hw in (base, priced)]
+    compute = [{t.name: t.seconds for t in p.time.terms}["compute"] for p in plans]
+    cp = plans[0].layout.cp
+    tokens = 8 * 16 // cp  # batch 8 x block 16 over cp ranks, one micro-batch
+    assert compute[1] - compute[0] == pytest.approx(grows * 4 * (1e-3 + tokens * width * 1e-9))
+
+
+def test_context_parallel_extra_is_recomputed_under_checkpointing(tmp_path):
+    """Activation checkpointing runs each block's forward again: a third of the cp extra (forward's
+    share of forward + backward) lands in the recompute term."""
+    cp = ("parallel.strategy=none", "parallel.cp=2", "parallel.activation_checkpointing=true")
+    priced = dataclasses.replace(_base(), cp_ring_overhead=1e-3)
+    terms = [{t.name: t.seconds for t in _plan(tmp_path, hw, *cp).time.terms} for hw in (_base(), priced)]
+    assert terms[1]["compute"] - terms[0]["compute"] == pytest.approx(4 * 1e-3)
+    assert terms[1]["recompute"] - terms[0]["recompute"] == pytest.approx(4 * 1e-3 / 3)
