@@ -111,8 +111,9 @@ class Collective:
     # which a backend without a ring reduce-scatter runs as all-reduces (Hardware.reduce_scatter_as_all_reduce)
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0
-    # of a "cp" record in allgather mode: the calls and moved bytes that are all-gathers (the rest
-    # are reduce-scatters), each priced at its own rates where the hardware gives them (gloo's)
+    # of a "cp" record in allgather mode (the rest are reduce-scatters) or a "tp" record under
+    # sequence parallelism (DTensor's Shard(1) -> Replicate): the calls and moved bytes that are
+    # all-gathers, priced at the backend's own all-gather rates where the hardware gives them (gloo's)
     gather_calls: int = 0
     gather_bytes: int = 0
 

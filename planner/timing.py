@@ -153,8 +153,9 @@ def step_latency(link: Link, gap: float, hw: Hardware) -> float:
 def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: float = math.inf) -> tuple[float, str]:
     """alpha-beta: each call pays a latency per ring step (all-reduce 2(n-1), reduce-scatter and
     all-gather n-1, a send 1), the bytes sent pay the bandwidth. The data-parallel engines'
-    all-gathers and reduce-scatters inside a node use the hardware's own figures for them where
-    it gives them (gather_link, scatter_link: gloo's, measured by `local`). On a backend that runs a
+    all-gathers and reduce-scatters, cp's and sequence parallelism's all-gathers, inside a node use
+    the hardware's own figures for them where it gives them (gather_link, scatter_link: gloo's,
+    measured by `local`). On a backend that runs a
     reduce-scatter as an all-reduce (gloo), sequence parallelism's reduce-scatters pay both twice.
     `gap`: the compute before each call since the rank's previous one (step_latency)."""
     n, link, where = group_link(lay, c.group, hw)
@@ -168,12 +169,16 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: flo
     else:
         steps = n - 1
     seconds = c.calls * steps * step_latency(link, gap, hw) + c.moved_bytes / link.bandwidth
-    if c.gather_calls and hw.gather_link and hw.scatter_link and where == "intra-node":
-        # cp's allgather mode: its all-gathers and reduce-scatters each at the backend's own rates
-        gather, scatter = hw.gather_link, hw.scatter_link
+    if c.gather_calls and hw.gather_link and where == "intra-node":
+        # cp's allgather mode and sequence parallelism: their all-gathers at the backend's own rates
+        # (DTensor's and cp's call the same all_gather_into_tensor the calibration times), the rest,
+        # cp's reduce-scatters (the project's, parallel/collectives.py) at its scatter rates and
+        # sequence parallelism's calls at the link's
+        gather = hw.gather_link
+        rest = hw.scatter_link if c.kind == "cp" and hw.scatter_link else link
         seconds = (steps * (c.gather_calls * step_latency(gather, gap, hw)
-                            + (c.calls - c.gather_calls) * step_latency(scatter, gap, hw))
-                   + c.gather_bytes / gather.bandwidth + (c.moved_bytes - c.gather_bytes) / scatter.bandwidth)
+                            + (c.calls - c.gather_calls) * step_latency(rest, gap, hw))
+                   + c.gather_bytes / gather.bandwidth + (c.moved_bytes - c.gather_bytes) / rest.bandwidth)
     if hw.reduce_scatter_as_all_reduce:
         seconds += (c.reduce_scatter_calls * (n - 1) * step_latency(link, gap, hw)
                     + c.reduce_scatter_bytes / link.bandwidth)

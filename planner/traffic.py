@@ -92,12 +92,14 @@ def tp_collective(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, held: R
     payload = (all_reduced + gathered + small) * m + ln_grads
     moved = round(((2 * all_reduced + gathered + 2 * small) * m + 2 * ln_grads) * (tp - 1) / tp)
     scattered = c.scatter_matmul * act_m + c.scatter_residual * act_r
+    gather_calls = (c.gather_scatter_matmul - c.scatter_matmul + c.gather_scatter_residual - c.scatter_residual) * m
     return Collective("tp", "tp", c.what, payload, moved,
                       "m bsh e (t-1)/t x (12L, or 8L with sequence parallel, + ends) + LayerNorm grads; "
                       "e: matmul dtype for Linear outputs, residual for Linear inputs",
                       calls=(c.calls + (3 if small else 0)) * m + (1 if ln_grads else 0),
                       reduce_scatter_calls=(c.scatter_matmul + c.scatter_residual) * m,
-                      reduce_scatter_bytes=round(scattered * m * (tp - 1) / tp))
+                      reduce_scatter_bytes=round(scattered * m * (tp - 1) / tp),
+                      gather_calls=gather_calls, gather_bytes=round((gathered - scattered) * m * (tp - 1) / tp))
 
 
 def pp_collectives(g: GPTConfig, lay: PlannedLayout, am: ActivationModel, stages: list[int]) -> list[Collective]:

@@ -196,3 +196,22 @@ def test_context_parallel_extra_is_recomputed_under_checkpointing(tmp_path):
     terms = [{t.name: t.seconds for t in _plan(tmp_path, hw, *cp).time.terms} for hw in (_base(), priced)]
     assert terms[1]["compute"] - terms[0]["compute"] == pytest.approx(4 * 1e-3)
     assert terms[1]["recompute"] - terms[0]["recompute"] == pytest.approx(4 * 1e-3 / 3)
+
+
+@pytest.mark.parametrize("vocab", [False, True])
+def test_sequence_parallel_gathers_run_at_the_backends_all_gather_rates(tmp_path, vocab):
+    """DTensor's Shard(1) -> Replicate under sequence parallelism calls the same all_gather_into_tensor
+    the calibration times as gloo's all-gather: those calls at the hardware's gather_link, its other
+    calls (reduce-scatters, the small all-reduces) at the link's. TINY, tp 2, one micro-batch of
+    8 x 16 tokens, 4 blocks: per block 2 gathers of a LayerNorm output forward and 2 of a Linear
+    output's gradient backward, + the embedding's gradient and the head's input."""
+    sp = ("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true",
+          f"parallel.tp_vocab_parallel={str(vocab).lower()}")
+    own = dataclasses.replace(_base(), gather_link=Link(2e8, 5e-3))
+    priced, plain = (_plan(tmp_path, hw, *sp) for hw in (own, _base()))
+    c = next(c for c in priced.collectives if c.kind == "tp")
+    assert c.gather_calls == 4 * 4 + 2 and c.gather_bytes == c.gather_calls * 8 * 16 * 32 * 4 // 2
+    tp = [{t.name: t.seconds for t in p.time.terms}["tp tp (intra-node)"] for p in (priced, plain)]
+    assert tp[0] - tp[1] == pytest.approx(c.gather_calls * (5e-3 - FAR) + c.gather_bytes * (1 / 2e8 - 1 / 1e9))
+    tp2 = ("parallel.strategy=none", "parallel.tp=2")
+    assert _plan(tmp_path, own, *tp2).time.step_s == _plan(tmp_path, _base(), *tp2).time.step_s  # all-reduces
