@@ -99,7 +99,8 @@ class Hardware:
     # the compute (seconds) each call followed where the links' `latency` was measured; a call after
     # less compute since the rank's previous call pays between the link's near_latency and it, in
     # proportion (planner/timing.py). local measures both ends: on the 2-core CPU a 4 KB gloo
-    # call's mean grows with the compute before it (its threads and the peer's fall asleep). 0: not priced
+    # call's mean grows with the compute before it (its threads and the peer's fall asleep). 0: every
+    # call pays the link's `latency`
     latency_gap: float = 0.0
     # what context parallelism's attention (parallel/cp.py, per parallel.cp_mode) costs per block per
     # micro-batch beyond one fused attention over the same query-key pairs: its blocks of the kernel,

@@ -23,6 +23,7 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
     latency   = near_latency + (latency - near_latency) x min(1, gap / latency_gap) where the hardware
                 gives both (local: gloo's threads sleep between calls, so a call costs more the longer
                 the rank computed since its last one); gap = the rank's compute / its calls per step
+                (the gradient norm's included), x ranks / cores on a shared node with more ranks than cores
 
 A group's link class follows the mesh order of parallel/layout.py, ("pp", "dp", "tp") with tp
 innermost: global rank = (pp x dp + dp_rank) x tp + tp_rank, so a group of n ranks at stride st
@@ -144,7 +145,8 @@ def step_latency(link: Link, gap: float, hw: Hardware) -> float:
     """Seconds per ring step of a call made `gap` seconds of compute after the rank's previous call:
     the link's near_latency for a call right after another, its latency after hw.latency_gap or
     more, in proportion between (first order: measured at both ends by tools/calibrate.py, where
-    a 4 KB gloo call after 7 ms of matmuls costs about 1.6x one right after another)."""
+    a 4 KB gloo all-reduce after ~6 ms of matmuls costs 1.0-2.3x one right after another, median
+    1.6x over 24 calibrations, and an all-gather 2-5x)."""
     if link.near_latency is None or hw.latency_gap <= 0:
         return link.latency
     return link.near_latency + (link.latency - link.near_latency) * min(1.0, gap / hw.latency_gap)

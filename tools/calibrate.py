@@ -62,7 +62,7 @@ SPLIT_STAGES = ((64, 64, 4), (256, 128, 4))  # width, positions, sequences of th
 SPLIT_BLOCKS = 2  # blocks in each of those stages
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
 LINK_KINDS, LINK_ROUNDS = ("all-reduce", "all-gather", "all-to-all"), 4
-GAP_MATMULS = 20  # 256 x 256 matmuls before each far call of the link (about 7 ms on one core)
+GAP_MATMULS = 20  # 256 x 256 matmuls before each far call of the link (about 6 ms on one core: latency_gap records it)
 
 
 def measure_local() -> dict:
@@ -190,7 +190,7 @@ def _timed(fn) -> float:
 
 def measure_link_and_engines(timeout_s: float = 180) -> dict:
     """The figures 2 local processes measure (`_link_child`): the busy-node slowdown, the latency per
-    ring step (after ~7 ms of compute, and right after the previous call) and bandwidth of gloo's
+    ring step (after ~6 ms of compute, and right after the previous call) and bandwidth of gloo's
     all-reduce, all-gather and all-to-all, the compute gap; then, in the first of them (its gloo group closed,
     its peer gone), the engines' figures on the fake process group (tools/calibrate_engines.py) with this
     process's thread count. One launch: a process's imports cost seconds."""
@@ -222,7 +222,7 @@ def busy_node_slowdown(rank: int, repeats: int = 7) -> float:
 
 
 class LinkTimer:
-    """The link's calls as a step issues them: each after GAP_MATMULS matmuls of ~7 ms on both
+    """The link's calls as a step issues them: each after GAP_MATMULS matmuls of ~6 ms on both
     ranks (`work`), or right after the previous call."""
 
     def __init__(self):
@@ -272,7 +272,7 @@ class LinkTimer:
 
 def _link_child(rank: int, store_path: str, threads: int) -> None:
     """One of the 2 calibration processes. A step issues each collective after a stretch of compute,
-    and its time sums many of them: so each call here follows the same ~7 ms of matmuls on both
+    and its time sums many of them: so each call here follows the same ~6 ms of matmuls on both
     ranks, and the mean counts (on the 2-core machine the calls are bimodal, 0.3-0.5 ms or about
     3 ms while the peer's communication threads wake up). Latency per ring step: the mean 4 KB
     all-reduce / 2 (2 ring steps on 2 ranks); bandwidth: each rank sends K of an 8 MB one,
