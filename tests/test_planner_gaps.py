@@ -11,6 +11,7 @@ import pytest
 import main as app
 import planner
 from checks import load_config
+from model import GPT
 from planner.hardware import Link, load_hardware
 from planner.timing import group_link, norm_all_reduces, step_latency
 from testing.local import TINY
@@ -110,6 +111,10 @@ def test_context_parallel_pays_its_attention_per_block_and_per_element(tmp_path,
      "needs cp_ring_elementwise: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ncp_allgather_overhead: -1\n",
      "needs cp_allgather_overhead: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\nunfused_optimizer_overhead: -1.0e-4\n",
+     "needs unfused_optimizer_overhead: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\nunfused_optimizer_elementwise: slow\n",
+     "needs unfused_optimizer_elementwise: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "all_gather_link: {bandwidth: 1.0e+9, latency: 1.0e-5, near_latency: 0}\n", "needs near_latency: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
@@ -215,3 +220,28 @@ def test_sequence_parallel_gathers_run_at_the_backends_all_gather_rates(tmp_path
     assert tp[0] - tp[1] == pytest.approx(c.gather_calls * (5e-3 - FAR) + c.gather_bytes * (1 / 2e8 - 1 / 1e9))
     tp2 = ("parallel.strategy=none", "parallel.tp=2")
     assert _plan(tmp_path, own, *tp2).time.step_s == _plan(tmp_path, _base(), *tp2).time.step_s  # all-reduces
+
+
+@pytest.mark.parametrize("world, overrides, fused", [
+    (2, ("parallel.strategy=ddp",), True), (2, ("parallel.strategy=fsdp",), True),
+    (2, ("parallel.strategy=none", "parallel.tp=2"), False),
+    (2, ("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true"), False),
+    (4, ("parallel.strategy=fsdp", "parallel.tp=2"), False)])
+def test_tensor_parallel_layouts_pay_torchs_default_optimizer_loop(tmp_path, world, overrides, fused):
+    """parallel/strategy.py fuses AdamW only where every parameter is of one kind; tensor parallelism
+    mixes DTensors with plain tensors (fsdp x tp: two meshes), so its ranks run torch's default
+    loop: unfused_optimizer_overhead per parameter tensor and unfused_optimizer_elementwise per
+    element it steps, in place of FSDP2's fused-kernel dispatch. Fused layouts are untouched."""
+    base = dataclasses.replace(_base(), devices_per_node=world, dtensor_optimizer_overhead=1e-5)
+    priced = dataclasses.replace(base, unfused_optimizer_overhead=1e-4, unfused_optimizer_elementwise=1e-9)
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", *overrides])
+    g, lay = planner.gpt_config(cfg, 65), planner.check_layout(cfg, world)
+    plans = [planner.plan_layout(cfg, g, lay, True, None, hw) for hw in (base, priced)]
+    optimizer = [{t.name: t.seconds for t in p.time.terms}["optimizer"] for p in plans]
+    if fused:
+        assert optimizer[1] == optimizer[0]
+        return
+    tensors = len(list(GPT(g).parameters()))  # every rank steps a piece of every tensor
+    stepped = plans[0].memory.optimizer // 8  # exp_avg and exp_avg_sq, 4 bytes each
+    assert optimizer[1] - optimizer[0] == pytest.approx(tensors * 1e-4 + stepped * 1e-9)
+    assert all("DTensor shards" not in t.formula for t in plans[1].time.terms)  # not FSDP2's fused dispatch
