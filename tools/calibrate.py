@@ -53,7 +53,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from model import Block, GPTConfig
 from observe.perf import cpu_peak
-from tools.calibrate_engines import ENGINE_MODEL, engines
+from tools.calibrate_engines import ENGINE_MODEL, engines, timed
 from tools.processes import child_env, multiprocess_lock
 
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
@@ -155,7 +155,7 @@ def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float
     """Bytes/s of the best copy (read + write) of a 64 MB fp32 tensor."""
     a = torch.ones(elems)
     b = torch.empty_like(a)
-    best = min(_timed(lambda: b.copy_(a)) for _ in range(repeats))
+    best = min(timed(lambda: b.copy_(a)) for _ in range(repeats))
     return 2 * a.numel() * a.element_size() / best
 
 
@@ -167,7 +167,7 @@ def measure_block(width: int, positions: int, sequences: int, repeats: int) -> f
     def step():
         block(x).sum().backward()
     step()
-    return min(_timed(step) for _ in range(repeats))
+    return min(timed(step) for _ in range(repeats))
 
 
 def collective_call(kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -180,12 +180,6 @@ def collective_call(kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
         dist.all_gather_into_tensor(out[: x.numel()], x[: x.numel() // 2])
     else:
         dist.all_to_all_single(out[: x.numel()], x)
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def measure_link_and_engines(timeout_s: float = 180) -> dict:
@@ -213,7 +207,7 @@ def busy_node_slowdown(rank: int, repeats: int = 7) -> float:
 
     def median_step() -> float:
         block(x).sum().backward()
-        return sorted(_timed(lambda: block(x).sum().backward()) for _ in range(repeats))[repeats // 2]
+        return sorted(timed(lambda: block(x).sum().backward()) for _ in range(repeats))[repeats // 2]
     alone = median_step() if rank == 0 else 0.0
     dist.barrier()
     both = median_step()
@@ -240,7 +234,7 @@ class LinkTimer:
         for _ in range(calls):
             if gap:
                 self.work()
-            total += _timed(call)
+            total += timed(call)
         return total / calls
 
     def rates(self) -> dict[str, tuple[float, float, float]]:
@@ -289,7 +283,7 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     slowdown = busy_node_slowdown(rank)
     timer = LinkTimer()
     got = timer.rates()
-    gap = sorted(_timed(timer.work) for _ in range(5))[2]
+    gap = sorted(timed(timer.work) for _ in range(5))[2]
     (latency, bandwidth, near), gather, scatter = got["all-reduce"], got["all-gather"], got["all-to-all"]
     dist.destroy_process_group()
     if rank == 0:

@@ -84,15 +84,22 @@ def _context_parallel(shape: tuple[int, int, int, int], mode: str) -> GPT:
     return model
 
 
+def _interleaved_medians(calls: list, rounds: int = ROUNDS) -> list[float]:
+    """The median seconds of each call over `rounds` rounds, one call of each in turn, after WARMUP
+    rounds (DTensor's sharding caches, FSDP2's lazy init, the optimizers' state)."""
+    times: list[list[float]] = [[] for _ in calls]
+    for round_ in range(rounds + WARMUP):
+        for call, t in zip(calls, times):
+            seconds = timed(call)
+            if round_ >= WARMUP:
+                t.append(seconds)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
 def _medians(models: dict[str, tuple[torch.nn.Module, torch.Tensor]]) -> dict[str, float]:
     """The median forward + backward seconds of each (model, input), one step of each in turn."""
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for round_ in range(ROUNDS + WARMUP):
-        for name, (model, x) in models.items():
-            seconds = _timed(lambda: lm_loss(model(x), x).backward())
-            if round_ >= WARMUP:  # warm-up: DTensor's sharding caches, FSDP2's lazy init
-                times[name].append(seconds)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    steps = [lambda model=model, x=x: lm_loss(model(x), x).backward() for model, x in models.values()]
+    return dict(zip(models, _interleaved_medians(steps)))
 
 
 def engines(threads: int) -> dict:
@@ -169,14 +176,8 @@ def _dtensor_optimizer(sharded: GPT, rounds: int = 15) -> float:
     local = [torch.nn.Parameter(p.to_local().detach().clone()) for p in params]
     for p, q in zip(local, params):
         p.grad = torch.zeros_like(p) if q.grad is None else q.grad.to_local().detach().clone()
-    opts = [torch.optim.AdamW(ps, lr=1e-4, fused=True) for ps in (params, local)]
-    times: list[list[float]] = [[], []]
-    for round_ in range(rounds + WARMUP):
-        for opt, t in zip(opts, times):
-            seconds = _timed(opt.step)
-            if round_ >= WARMUP:
-                t.append(seconds)
-    dtensor, tensors = (sorted(t)[len(t) // 2] for t in times)
+    dtensor, tensors = _interleaved_medians([torch.optim.AdamW(ps, lr=1e-4, fused=True).step for ps in (params, local)],
+                                            rounds)
     return max(0.0, (dtensor - tensors) / len(params))
 
 
@@ -190,14 +191,8 @@ def _unfused_optimizer(model: GPT, rounds: int = 15) -> tuple[float, int, int]:
     local = [torch.nn.Parameter((p.to_local() if isinstance(p, DTensor) else p).detach().clone()) for p in params]
     for p in local:
         p.grad = torch.zeros_like(p)
-    opts = [torch.optim.AdamW(params, lr=1e-4), torch.optim.AdamW(local, lr=1e-4, fused=True)]
-    times: list[list[float]] = [[], []]
-    for round_ in range(rounds + WARMUP):
-        for opt, t in zip(opts, times):
-            seconds = _timed(opt.step)
-            if round_ >= WARMUP:
-                t.append(seconds)
-    default, fused = (sorted(t)[len(t) // 2] for t in times)
+    default, fused = _interleaved_medians([torch.optim.AdamW(params, lr=1e-4).step,
+                                           torch.optim.AdamW(local, lr=1e-4, fused=True).step], rounds)
     return max(0.0, default - fused), len(params), sum(p.numel() for p in local)
 
 
@@ -218,7 +213,8 @@ def _plain_step(model: GPT, x: torch.Tensor) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
+    """The seconds one call of `fn` takes."""
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
