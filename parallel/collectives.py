@@ -19,6 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor to these (the old names warn);
+# earlier builds, such as the CUDA 2.11 wheel scripts/gpu_check.sh is run with, have only the old
+# ones (https://github.com/pytorch/pytorch/pull/186123).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
@@ -28,7 +34,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
         raise ValueError(f"reduce_scatter supports SUM and AVG, not {op}")
     n = dist.get_world_size(group)
     if dist.get_backend(group) != "gloo":
-        dist.reduce_scatter_single(output, input, op=op, group=group)
+        reduce_scatter_single(output, input, op=op, group=group)
         return
     received = torch.empty_like(input)
     dist.all_to_all_single(received, input, group=group)  # row j: rank j's copy of my chunk

@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from config import Config
-from parallel.collectives import reduce_scatter
+from parallel.collectives import all_gather_single, reduce_scatter
 from parallel.step import MicroBatchLoop
 
 # ----------------------------------------------------------------------------- the split
@@ -92,7 +92,7 @@ class Ring:
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """(cp, *t.shape): every rank's t, in cp-rank order."""
         out = t.new_empty((self.size * t.size(0), *t.shape[1:]))  # gloo wants the ranks' tensors along dim 0
-        dist.all_gather_single(out, t, group=self.group)
+        all_gather_single(out, t, group=self.group)
         return out.unflatten(0, (self.size, t.size(0)))
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,9 @@ def flash_cpu_block_backward(dout, q, k, v, out, lse, causal: bool):
 
 
 def _scores(q, k, causal: bool) -> torch.Tensor:
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    """S = Q K^T / sqrt(d), in fp32 whatever q's dtype: the softmax's statistics stay fp32 under
+    bf16 autocast, as in a fused kernel (the matmuls themselves run in q's dtype)."""
+    s = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.size(-1))
     if causal:  # q and k are the same positions (the local block): key j visible to query i iff j <= i
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
@@ -142,13 +144,15 @@ def math_block(q, k, v, causal: bool):
     """flash_cpu_block in plain matmuls: lse = logsumexp(S), out = exp(S - lse) V."""
     s = _scores(q, k, causal)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse[..., None]) @ v, lse
+    return torch.exp(s - lse[..., None]).to(v.dtype) @ v, lse
 
 
 def math_block_backward(dout, q, k, v, out, lse, causal: bool):
-    """P = exp(S - lse); dV = P^T dO; dS = P (dO V^T - rowsum(dO * O)); dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d)."""
-    p = torch.exp(_scores(q, k, causal) - lse[..., None])
-    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True)) / math.sqrt(q.size(-1))
+    """P = exp(S - lse); dV = P^T dO; dS = P (dO V^T - rowsum(dO * O)); dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d).
+    P and dS in fp32, rounded to q's dtype for the matmuls (bf16 autocast: fp32 times bf16 is an error)."""
+    p = torch.exp(_scores(q, k, causal) - lse[..., None].float())
+    dp = (dout @ v.transpose(-2, -1)).float() - (dout.float() * out.float()).sum(-1, keepdim=True)
+    ds, p = (p * dp / math.sqrt(q.size(-1))).to(q.dtype), p.to(dout.dtype)
     return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
 
 

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel.collectives import reduce_scatter
+from parallel.collectives import all_gather_single, reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ class ShardBucket:
             out = mine
         else:
             out = mine.new_empty(self.n * self.total)
-            dist.all_gather_single(out, mine, group=self.group)
+            all_gather_single(out, mine, group=self.group)
         rows = out.view(self.n, self.total)
         return [rows[:, o:o + s.chunk].reshape(-1)[:s.numel] for o, s in zip(self.offsets, self.specs)]
 

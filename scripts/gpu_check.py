@@ -1,7 +1,8 @@
 """What one GPU proves in about five minutes: `bash scripts/gpu_check.sh` (this file does the work).
 
 Every check launches the app as a user would (`python main.py ...` or a one-process torchrun) on a
-small model and reads what it printed and wrote; each prints one line, `PASS <check>: <figures>`
+small model and reads what it printed and wrote (the cp checks: testing/cp_probe.py on 2 and 4
+processes sharing the GPU); each prints one line, `PASS <check>: <figures>`
 or `FAIL <check>: <why>` (SKIP for the checks that need more GPUs than this machine has). The
 checks run side by side (one GPU holds them all), the compiled preset last and alone, since its
 tokens/s and MFU are figures. Exit 0 when nothing failed, 1 when a check failed, 2 with one line
@@ -67,8 +68,7 @@ class Check:
             r = subprocess.run(argv, cwd=REPO, env=self.env(**env), capture_output=True, text=True, timeout=timeout,
                                start_new_session=True)
         except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            out, err = (x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
             r = subprocess.CompletedProcess(argv, 124, out, err + f"\n[gpu_check] timed out after {timeout:g} s")
         (self.work / f"{name}.log").write_text(f"$ {' '.join(argv)}\n--- exit {r.returncode}\n--- stdout\n{r.stdout}"
                                                f"\n--- stderr\n{r.stderr}", encoding="utf-8")
@@ -82,8 +82,6 @@ class Check:
         return self.run(name, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                                "main.py", f"data.path={self.corpus}", *SMALL, *overrides], timeout, **env)
 
-    def run_dir(self, name: str) -> Path:
-        return self.work / name
 
 
 def tail(r: subprocess.CompletedProcess, n: int = 1) -> str:
@@ -154,11 +152,21 @@ def probe_flight_recorder() -> None:
     dist.destroy_process_group()
 
 
+def check_cp(c: Check, ranks: int) -> Result:
+    """parallel.cp's attention on this GPU's block kernels: `ranks` processes of testing/cp_probe.py."""
+    r = c.run(f"cp{ranks}", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc_per_node={ranks}", "-m", "testing.cp_probe"], 150)
+    found = re.search(r"^cp-probe: (\{.*\})$", r.stdout, re.M)
+    probe = json.loads(found.group(1)) if found and r.returncode == 0 else {}
+    ok = probe.get("within_bounds") and probe.get("device", "cpu") != "cpu"
+    return Result(f"cp{ranks}-attention", "PASS" if ok else "FAIL", probe.get("summary") or f"exit {r.returncode}: {tail(r, 2)}")
+
+
 def check_snapshots(c: Check, name: str, *overrides: str, background: bool) -> Result:
     """A one-rank torchrun on the GPU that saves snapshots synchronously or in the background; the
     start-up line, the peak label and the CUDA memory columns of a GPU run. The hang watchdog at 10 s
     turns a stuck save into a line and a stack dump (run_dir/hang) where the GIL is free."""
-    run = c.run_dir(name)
+    run = c.work / name
     args = [f"data.path={c.corpus}", *SMALL, f"trainer.run_dir={run}", *overrides, "trainer.max_steps=30",
             "trainer.save_every=10", "trainer.log_every=5", "trainer.eval_every=30", "trainer.hang_timeout_s=10",
             f"trainer.async_save={str(background).lower()}"]
@@ -191,18 +199,17 @@ def check_snapshots(c: Check, name: str, *overrides: str, background: bool) -> R
 def _resume_pair(c: Check, name: str, deterministic: bool) -> tuple[subprocess.CompletedProcess, ...]:
     common = ["model.dropout=0.1", "trainer.max_steps=40", "trainer.save_every=10", "trainer.log_every=5",
               "trainer.eval_every=40", "optimizer.lr_decay_steps=40", f"trainer.deterministic={str(deterministic).lower()}"]
-    whole = c.main(f"{name}-whole", f"trainer.run_dir={c.run_dir(name + '-whole')}", *common)
-    stopped = c.main(f"{name}-stopped", f"trainer.run_dir={c.run_dir(name + '-resumed')}", *common,
+    whole = c.main(f"{name}-whole", f"trainer.run_dir={c.work / (name + '-whole')}", *common)
+    stopped = c.main(f"{name}-stopped", f"trainer.run_dir={c.work / (name + '-resumed')}", *common,
                      MINGPT_FAULT="term:update:25:0")
-    resumed = c.main(f"{name}-resumed", f"trainer.run_dir={c.run_dir(name + '-resumed')}", *common)
+    resumed = c.main(f"{name}-resumed", f"trainer.run_dir={c.work / (name + '-resumed')}", *common)
     return whole, stopped, resumed
 
 
 def _max_difference(a: Path, b: Path) -> tuple[float, int]:
     ta, tb = model_tensors(a), model_tensors(b)
-    worst = max(float((ta[k].float() - tb[k].float()).abs().max()) for k in ta)
-    same = sum(bool((ta[k] == tb[k]).all()) for k in ta)
-    return worst, len(ta) - same
+    gaps = [float((ta[k].float() - tb[k].float()).abs().max()) for k in ta]
+    return max(gaps), sum(gap != 0 for gap in gaps)
 
 
 def check_resume(c: Check) -> Result:
@@ -218,7 +225,7 @@ def check_resume(c: Check) -> Result:
             continue
         if "resumed from" not in resumed.stdout:
             problems.append(f"{name}: the relaunch did not resume")
-        worst, differing = _max_difference(c.run_dir(name + "-whole"), c.run_dir(name + "-resumed"))
+        worst, differing = _max_difference(c.work / (name + "-whole"), c.work / (name + "-resumed"))
         figures.append(f"{name}: {differing} tensors differ, max |diff| {worst:.3g}")
         if deterministic and differing:
             problems.append(f"{name} is not bit-identical")
@@ -226,7 +233,7 @@ def check_resume(c: Check) -> Result:
 
 
 def check_fp16(c: Check) -> Result:
-    run = c.run_dir("fp16")
+    run = c.work / "fp16"
     r = c.main("fp16", f"trainer.run_dir={run}", "trainer.precision=fp16", "trainer.max_steps=60",
                "trainer.log_every=10", "trainer.eval_every=60", "optimizer.lr=3e-3")
     if r.returncode != 0:
@@ -248,7 +255,7 @@ def check_matmul_attention(c: Check) -> Result:
     losses = {}
     whole = ("parallel.strategy=none", "trainer.compile=true", "trainer.compile_scope=model")
     for kernel in ("sdpa", "matmul"):
-        run = c.run_dir(f"attention-{kernel}")
+        run = c.work / f"attention-{kernel}"
         r = c.main(f"attention-{kernel}", f"trainer.run_dir={run}", "trainer.precision=bf16", "trainer.max_steps=40",
                    "trainer.log_every=10", "trainer.eval_every=40", f"trainer.attention={kernel}",
                    *(whole if kernel == "matmul" else ()))
@@ -263,7 +270,7 @@ def check_matmul_attention(c: Check) -> Result:
 def check_hang(c: Check) -> Result:
     """A training thread blocked forever on one rank (MINGPT_FAULT=block): the watchdog's line, exit 4,
     and NCCL's own recorder in the dump folder."""
-    run = c.run_dir("hang")
+    run = c.work / "hang"
     r = c.torchrun("hang", f"trainer.run_dir={run}", "trainer.max_steps=40", "trainer.log_every=2",
                    "trainer.eval_every=40", "trainer.hang_timeout_s=3", timeout=150, MINGPT_FAULT="block:update:8:0")
     line = next((l for l in r.stdout.splitlines() if l.startswith("hang:")), None)
@@ -283,7 +290,7 @@ def check_hang(c: Check) -> Result:
 
 def check_preset_compile(c: Check) -> Result:
     """presets/gpu_8x8x512.yaml as shipped (bf16, compile, batch 256) for 150 steps on one GPU."""
-    run = c.run_dir("preset")
+    run = c.work / "preset"
     r = c.run("preset", [sys.executable, "main.py", "--config", "presets/gpu_8x8x512.yaml", f"data.path={c.corpus}",
                          f"trainer.run_dir={run}", "trainer.max_steps=150", "trainer.eval_every=150",
                          "trainer.save_every=0", "trainer.log_every=25", "trainer.sample_tokens=0",
@@ -308,15 +315,12 @@ MULTI_GPU_TESTS = {"ddp-fsdp-tp-pp-parity": ["tests/test_data_parallel.py", "tes
 
 def check_multi_gpu(c: Check, gpus: int) -> list[Result]:
     """With 2+ GPUs: the suite's parity, nn.DataParallel and frozen-peer tests on CUDA."""
-    names = ("ddp-fsdp-tp-pp-parity", "nn-dataparallel", "frozen-peer")
     if gpus < 2:
-        return [Result(n, "SKIP", f"needs 2+ GPUs (one GPU holds one NCCL rank); this machine has {gpus}") for n in names]
-    out = []
-    for name, args in MULTI_GPU_TESTS.items():
-        r = c.run(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], 600,
-                  MINGPT_TEST_DEVICE="cuda")
-        out.append(Result(name, "PASS" if r.returncode == 0 else "FAIL", tail(r)))
-    return out
+        return [Result(n, "SKIP", f"needs 2+ GPUs (one GPU holds one NCCL rank); this machine has {gpus}")
+                for n in MULTI_GPU_TESTS]
+    runs = {name: c.run(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], 600,
+                        MINGPT_TEST_DEVICE="cuda") for name, args in MULTI_GPU_TESTS.items()}
+    return [Result(name, "PASS" if r.returncode == 0 else "FAIL", tail(r)) for name, r in runs.items()]
 
 
 def corpus_file(work: Path) -> Path:
@@ -364,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                     ("async-save", lambda: check_snapshots(c, "async-save", background=True)),
                     ("resume-bit-exact", lambda: check_resume(c)), ("fp16-grad-scaler", lambda: check_fp16(c)),
                     ("hang-watchdog-nccl", lambda: check_hang(c)),
-                    ("matmul-attention", lambda: check_matmul_attention(c))]
+                    ("matmul-attention", lambda: check_matmul_attention(c)),
+                    ("cp2-attention", lambda: check_cp(c, 2)), ("cp4-attention", lambda: check_cp(c, 4))]
     with ThreadPoolExecutor(max_workers=len(side_by_side)) as pool:
         for result in pool.map(lambda named: _guarded(*named), side_by_side):
             print(result.line(), flush=True)

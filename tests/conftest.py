@@ -24,6 +24,9 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 # the same device environment as their torchrun children (testing.local.child_env).
 os.environ.update(device_env())
 os.environ["WANDB_MODE"] = "offline"
+# The plan wraps its lines to $COLUMNS when set (planner/render.py); a shell or a machine that
+# exports it (a GPU machine did, and 7 tests failed on wrapped lines) must not change what the tests read.
+os.environ.pop("COLUMNS", None)
 os.environ.pop("WANDB_API_KEY", None)
 
 torch.set_num_threads(1)

@@ -112,6 +112,23 @@ def test_math_kernel_equals_the_fused_one_forward_and_backward():
             assert (a - b).abs().max() < ATOL
 
 
+def test_math_kernel_in_bf16_keeps_fp32_statistics_and_matches_the_fused_one():
+    """The GPU's block kernels under bf16 autocast (q, k, v in bf16; the softmax's statistics in
+    fp32, as the fused kernel keeps them): forward and backward within bf16's rounding of the fused
+    CPU kernel's. A GPU found the backward multiplying fp32 by bf16 (a dtype error)."""
+    torch.manual_seed(1)
+    q, k, v, dout = (torch.randn(2, 2, 16, 8).bfloat16() for _ in range(4))
+    for causal in (True, False):
+        fo, fl = cpmod.flash_cpu_block(q, k, v, causal)
+        mo, ml = cpmod.math_block(q, k, v, causal)
+        assert mo.dtype == torch.bfloat16 and ml.dtype == torch.float32
+        assert (fo.float() - mo.float()).abs().max() < 2e-2 and (fl.float() - ml).abs().max() < 1e-2
+        fused = cpmod.flash_cpu_block_backward(dout, q, k, v, fo, fl, causal)
+        plain = cpmod.math_block_backward(dout, q, k, v, mo, ml, causal)
+        for a, b in zip(fused, plain):
+            assert b.dtype == torch.bfloat16 and (a.float() - b.float()).abs().max() < 5e-2
+
+
 @pytest.mark.parametrize("mode", list(cpmod.ATTENTION))
 @pytest.mark.parametrize("cp,kernel", [(2, "flash_cpu"), (4, "flash_cpu"), (3, "math")])
 def test_cp_attention_equals_causal_attention_with_its_gradients(cp, kernel, mode, monkeypatch):

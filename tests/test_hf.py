@@ -61,10 +61,11 @@ def hf_dir(tmp_path_factory) -> tuple[Path, GPT2LMHeadModel]:
 
 
 def ours(run_dir: Path, overrides: list[str]):
-    """The model and data a launch with these overrides starts from (one process, no training)."""
+    """The model and data a launch with these overrides starts from (one process, no training), on
+    the CPU beside Hugging Face's, whatever device the session built it on."""
     cfg = load_config(None, TINY + [f"trainer.run_dir={run_dir}"] + overrides)
     trainer = build_trainer(cfg, init_distributed(cfg), run_dir)
-    return trainer.strategy.model.eval(), trainer
+    return trainer.strategy.model.eval().cpu(), trainer
 
 
 def hf_loss(model, x, y) -> float:
