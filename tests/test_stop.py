@@ -320,7 +320,10 @@ def test_fp16_steps_the_grad_scaler_skips_are_not_failures(tmp_path):
     cfg = load_config(None, NAN + ["parallel.strategy=none", "trainer.precision=fp16", "trainer.max_steps=4",
                                    f"trainer.run_dir={run}"])
     trainer = build_trainer(cfg, init_distributed(cfg), run)
-    trainer.scaler.scale(torch.ones(()))  # creates the scale tensor, then make it overflow fp16
+    # creates the scale tensor on the training device, then make it overflow fp16. A scale on the CPU
+    # beside a GPU's gradients is a race: GradScaler copies the GPU's inf verdict to the scale's device
+    # with non_blocking=True before the step reads it (an H200 took the step once, and the loss went NaN).
+    trainer.scaler.scale(torch.ones((), device=trainer.strategy.device))
     trainer.scaler.update(new_scale=2.0**100)
     assert trainer.train().final_step == 4
     assert trainer.scaler.get_scale() == 2.0**96  # all 4 steps had inf gradients and were skipped
