@@ -1,5 +1,5 @@
 """Context parallelism on one device: `python -m torch.distributed.run --nproc_per_node=N -m
-testing.cp_probe` runs parallel.cp's ring and all-gather attention over N processes that share one
+testing.cp_probe [--math-kernels]` runs parallel.cp's ring and all-gather attention over N processes that share one
 device (a GPU: scripts/gpu_check.py runs it there), and prints one line `cp-probe: {json}`.
 
 Each process builds the same 2-layer GPT, puts it over the cp ranks with the product's own
@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,8 @@ def cp_parity(device: torch.device, mode: str, dtype: torch.dtype) -> tuple[floa
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--math-kernels"]:  # the GPU's block kernels on any device (tests/test_gpu_paths.py)
+        cpmod.kernels = lambda device: (cpmod.math_block, cpmod.math_block_backward)
     dist.init_process_group("gloo")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -86,6 +86,14 @@ def child_env(**extra) -> dict:
     return env
 
 
+def need_gpus(ranks: int) -> None:
+    """Raise NotEnoughGPUs when a cuda session's launch of `ranks` ranks has fewer GPUs than ranks
+    (NCCL needs one GPU per rank); nothing on the CPU, where every launch fits."""
+    if DEVICE == "cuda" and ranks > torch.cuda.device_count():
+        raise NotEnoughGPUs(f"this launch has {ranks} ranks and NCCL needs one GPU per rank, but torch sees "
+                            f"{torch.cuda.device_count()} GPUs: run it on a machine with {ranks} or more")
+
+
 def torchrun_argv(nproc: int, args: list[str], extra_torchrun: list[str] = (),
                      standalone: bool = True) -> list[str]:
     """`torchrun [--standalone] --nproc_per_node=N EXTRA... ARGS...` as this interpreter runs it."""
@@ -97,9 +105,7 @@ def torchrun(nproc: int, script_and_args: list[str], timeout: float = 300, cwd: 
              extra_torchrun: list[str] = (), **env) -> subprocess.CompletedProcess:
     """Run `script_and_args` on `nproc` local ranks, holding the machine-wide lock; output captured.
     A launch that outlives `timeout` seconds is killed (subprocess.TimeoutExpired)."""
-    if DEVICE == "cuda" and nproc > torch.cuda.device_count():
-        raise NotEnoughGPUs(f"this launch has {nproc} ranks and NCCL needs one GPU per rank, but torch sees "
-                            f"{torch.cuda.device_count()} GPUs: run it on a machine with {nproc} or more")
+    need_gpus(nproc)
     with multiprocess_lock():
         return subprocess.run(torchrun_argv(nproc, script_and_args, extra_torchrun), cwd=cwd,
                               env=child_env(**env), capture_output=True, text=True, timeout=timeout)

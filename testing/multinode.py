@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from testing.local import DEVICE, REPO, child_env, multiprocess_lock, torchrun_argv, worker_pids
+from testing.local import DEVICE, REPO, child_env, multiprocess_lock, need_gpus, torchrun_argv, worker_pids
 
 # Rendezvous knobs (--rdzv-conf), set for a fast run: with --nnodes=1:2 a round that has its
 # minimum waits last_call_timeout for more nodes; a round must complete within join_timeout; a
@@ -84,6 +84,7 @@ def two_nodes(logs: Path, args: list[str], nnodes: str = "2", max_restarts: int 
     B also moves rank 0 and the lock to the other node. (Ordered by the agents' pids otherwise,
     which wrap around.) On cuda (MINGPT_TEST_DEVICE, testing/local.py) each node sees a GPU of its own,
     as separate machines would: B GPU 0, A GPU 1."""
+    need_gpus(2)  # on cuda each node has a GPU of its own
     job = f"job{os.getpid()}-{time.monotonic_ns()}"
     env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # the README's multi-node setting
     nodes = []

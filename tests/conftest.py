@@ -17,7 +17,18 @@ import pytest
 import torch
 
 from harness import device_problem
-from testing.local import CORPUS, DEVICE_ENV, REPO, TIKTOKEN_DIR, TINY, NotEnoughGPUs, device_env, python, torchrun
+from testing.local import (
+    CORPUS,
+    DEVICE_ENV,
+    REPO,
+    TIKTOKEN_DIR,
+    TINY,
+    NotEnoughGPUs,
+    device_env,
+    need_gpus,
+    python,
+    torchrun,
+)
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 # Before CUDA starts in this process (it starts lazily): the tests that train in this process see
@@ -209,5 +220,6 @@ def eight_processes(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path
     """benchmarks/mesh_2x2x2.py --app: ONE 8-process launch (its start-up alone is ~30 s on 2
     cores) for the 3-D mesh's parity and two whole-app runs: on the mesh (DIR/app) and with the
     default config (DIR/default). Returns the benchmark's output and DIR (with launch.out)."""
+    need_gpus(8)  # a cuda session on fewer GPUs leaves its tests out
     out = tmp_path_factory.mktemp("eight_processes")
     return python(["benchmarks/mesh_2x2x2.py", "--app", "--keep", str(out)], timeout=420), out

@@ -29,7 +29,7 @@ from parallel.layout import Layout
 from parallel.parallelize import parallelize
 from parallel.strategy import Strategy
 from planner.auto import hardware_file_of
-from testing.local import REPO, child_env
+from testing.local import REPO, child_env, torchrun
 
 
 class _OnDevice(Strategy):
@@ -246,11 +246,24 @@ def test_nn_dataparallel_with_compile_compiles_the_wrapper_not_the_blocks(monkey
 
 @pytest.mark.launch
 def test_the_gpu_check_on_a_machine_without_a_gpu_is_one_line_and_exit_2():
-    r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                       timeout=120)
+    # no GPU visible, in a cuda session on a GPU machine too (there it would run the whole check)
+    r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=child_env(CUDA_VISIBLE_DEVICES=""),
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stdout.splitlines() == [f"gpu_check: torch {torch.__version__} sees no CUDA device; run it on a "
                                      f"machine with an NVIDIA GPU"] and not r.stderr.strip(), (r.stdout, r.stderr)
+
+
+@pytest.mark.launch
+def test_the_gpu_checks_cp_probe_runs_the_gpus_kernels_within_its_bounds_here():
+    """testing/cp_probe.py, which the GPU check runs on 2 and 4 ranks sharing a GPU, here on 2 CPU
+    ranks with the GPU's plain-matmul block kernels: fp32 and bf16 autocast within its bounds (the
+    bf16 backward of those kernels raised a dtype error before an H200 ran it)."""
+    r = torchrun(2, ["-m", "testing.cp_probe", "--math-kernels"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    probe = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("cp-probe: "))[10:])
+    assert probe["within_bounds"] and "math_block on cpu" in probe["summary"], probe
+    assert probe["figures"]["ring fp32"][1] < 1e-5 and probe["figures"]["allgather bf16"][1] > 1e-4, probe
 
 
 @pytest.mark.launch

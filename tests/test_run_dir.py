@@ -198,7 +198,9 @@ def launch_as_other_user(args: list[str]) -> tuple[int, str]:
                 os.setgroups([])
                 os.setresgid(65534, 65534, 65534)
                 os.setresuid(65534, 65534, 65534)
-            code = app.main(args)
+            # on the CPU in a cuda session too: a forked child cannot start CUDA that its parent
+            # (this pytest process) may have started; the run folder's check is the same on any device
+            code = app.main(args + ["trainer.device=cpu"])
         except BaseException:
             import traceback
             traceback.print_exc()
