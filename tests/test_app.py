@@ -23,7 +23,7 @@ import sample
 from checks import load_config
 from launch.schedule import lr_at, total_steps
 from parallel.env import init_distributed
-from testing.local import CORPUS, TINY, python
+from testing.local import CORPUS, DEVICE, TINY, python
 
 
 def model_pt(run_dir: Path) -> dict:
@@ -50,7 +50,9 @@ def test_python_main_py_trains_and_writes_every_output(tmp_path, capsys):
     cfg = load_config(None, TINY + ["trainer.max_steps=10"])
     for row in train_rows:
         assert {"step", "loss", "lr", "tokens_per_sec", "mfu"} <= row.keys()
-        assert math.isfinite(row["loss"]) and row["tokens_per_sec"] > 0 and row["mfu"] > 0
+        assert math.isfinite(row["loss"]) and row["tokens_per_sec"] > 0
+        # a cuda session runs fp32 without TF32 (NVIDIA_TF32_OVERRIDE=0), whose peak is unknown: MFU 0
+        assert row["mfu"] > 0 if DEVICE == "cpu" else row["mfu"] == 0
         assert row["lr"] == pytest.approx(lr_at(row["step"] - 1, cfg, 10))  # lr of the step just done
     assert [r["step"] for r in rows if "val_loss" in r] == [5, 10]
     assert all(math.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
