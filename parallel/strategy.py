@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from config import Config
 from model import GPT
+from parallel.adamw import MeshwiseAdamW
 from parallel.dtensor import full_tensor, local_tensor, same_layout_groups, settle_partial_grads, storage_id
 from parallel.env import DistEnv, cpu_devices, local_world_size
 from parallel.layout import Layout, describe
@@ -159,15 +160,19 @@ class Strategy:
         return decay_groups(self.unwrapped(), self.cfg.optimizer.weight_decay)
 
     def adamw(self, groups: list[dict]) -> torch.optim.AdamW:
-        """AdamW with the configured hyper-parameters, fused (CPU and CUDA both have the kernel)
-        where every parameter is of one kind (`fusable`): all plain tensors, or all DTensors on
-        one mesh (DTensor runs the fused kernel on each shard). A mix (tensor parallelism leaves
-        some parameters plain) takes torch's default. The default on a CPU is
-        a loop over the parameters, about 10 ops each, every one a DTensor dispatch on sharded
-        ones: an FSDP2 step of 8 blocks of 256 spent 15.7 ms in AdamW where the fused kernel
-        takes 3.5 (docs/planner.md)."""
+        """AdamW with the configured hyper-parameters, fused (CPU and CUDA both have the kernel):
+        torch's own where every parameter is of one kind (`fusable`: all plain tensors, or all
+        DTensors on one mesh), else one fused call per kind (parallel/adamw.py: tensor parallelism
+        leaves some parameters plain); torch's default for any other tensor subclass. torch's default on a CPU is a loop over the parameters,
+        about 10 ops each, every one a DTensor dispatch on sharded ones: an FSDP2 step of 8
+        blocks of 256 spent 15.7 ms in AdamW where the fused kernel takes 3.5 (docs/planner.md)."""
         o = self.cfg.optimizer
-        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), **({"fused": True} if fusable(groups) else {}))
+        hyper = {"lr": o.lr, "betas": (o.beta1, o.beta2)}
+        if fusable(groups):
+            return torch.optim.AdamW(groups, fused=True, **hyper)
+        if None in parameter_kinds(groups):  # a tensor subclass the fused kernel may not take: torch's default
+            return torch.optim.AdamW(groups, **hyper)
+        return MeshwiseAdamW(groups, **hyper)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         if self.cfg.optimizer.name == "muon":  # DTensor shards gathered per matrix; ZeRO-1/2 refused (options.py)
@@ -311,12 +316,16 @@ def resident_bytes(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> 
                                  if torch.is_tensor(v) and v.dim() > 0])}
 
 
+def parameter_kinds(groups: list[dict]) -> set:
+    """The kinds of parameter in these groups: "plain" (a tensor or nn.Parameter), each DeviceMesh
+    that DTensors live on (equal when the same ranks and dims), None for another tensor subclass."""
+    return {"plain" if type(p) in (torch.Tensor, nn.Parameter) else p.device_mesh if isinstance(p, DTensor)
+            else None for g in groups for p in g["params"]}
+
+
 def fusable(groups: list[dict]) -> bool:
-    """Does one fused optimizer take these parameter groups? Every parameter plain (a tensor or
-    nn.Parameter), or every one a DTensor on one mesh (FSDP2's shards, HSDP's); a DTensor/plain
-    mix, DTensors on two meshes (fsdp x tp: the LayerNorms on the dp mesh, the tp weights on the
-    2-D one), or another tensor subclass keep torch's default, as parallel/dtensor.py's foreach
-    groups do."""
-    kinds = {"plain" if type(p) in (torch.Tensor, nn.Parameter) else p.device_mesh if isinstance(p, DTensor)
-             else None for g in groups for p in g["params"]}  # DeviceMesh: equal when the same ranks and dims
+    """Does one fused optimizer take these parameter groups? Every parameter plain, or every one a
+    DTensor on one mesh (FSDP2's shards, HSDP's); not a DTensor/plain mix, DTensors on two meshes
+    (fsdp x tp: the LayerNorms on the dp mesh, the tp weights on the 2-D one) or another subclass."""
+    kinds = parameter_kinds(groups)
     return len(kinds) == 1 and None not in kinds

@@ -111,13 +111,6 @@ class Hardware:
     cp_ring_elementwise: float = 0.0
     cp_allgather_overhead: float = 0.0
     cp_allgather_elementwise: float = 0.0
-    # what torch's default AdamW (a loop over the parameters, about 10 ops each, a DTensor dispatch on
-    # sharded ones) costs beyond the fused kernel on the same tensors, per parameter tensor and per
-    # element: the optimizer a tensor-parallel layout runs, whose parameters mix DTensors and plain
-    # tensors or sit on two meshes (parallel/strategy.py fusable). local measures both on the fake
-    # process group (tools/calibrate_engines.py). Absent: 0, not priced
-    unfused_optimizer_overhead: float = 0.0
-    unfused_optimizer_elementwise: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -183,8 +176,7 @@ def hardware_of(raw, where: str) -> Hardware:
                     *(_optional(raw, key, where) for key in ("split_backward_overhead", "split_backward_elementwise",
                                                                "fsdp_copy", "dtensor_optimizer_overhead", "latency_gap",
                                                                "cp_ring_overhead", "cp_ring_elementwise",
-                                                               "cp_allgather_overhead", "cp_allgather_elementwise",
-                                                               "unfused_optimizer_overhead", "unfused_optimizer_elementwise")))
+                                                               "cp_allgather_overhead", "cp_allgather_elementwise")))
 
 
 def _link(raw: dict, key: str, where: str) -> Link:

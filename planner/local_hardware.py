@@ -24,8 +24,7 @@ UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "b
                 "split_backward_overhead": 0.0, "split_backward_elementwise": 0.0, "fsdp_copy": 0.0,
                 "dtensor_optimizer_overhead": 0.0, "near_latency": 100e-6, "near_gather_latency": 100e-6,
                 "near_scatter_latency": 100e-6, "latency_gap": 0.0, "cp_ring_overhead": 0.0,
-                "cp_ring_elementwise": 0.0, "cp_allgather_overhead": 0.0, "cp_allgather_elementwise": 0.0,
-                "unfused_optimizer_overhead": 0.0, "unfused_optimizer_elementwise": 0.0}
+                "cp_ring_elementwise": 0.0, "cp_allgather_overhead": 0.0, "cp_allgather_elementwise": 0.0}
 
 
 def cache_path() -> Path:
@@ -108,8 +107,7 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             "latency_gap": cached["latency_gap"],
             # context parallelism's attention beyond one fused attention (tools/calibrate_engines.py)
             **{key: cached[key] for key in ("cp_ring_overhead", "cp_ring_elementwise", "cp_allgather_overhead",
-                                            "cp_allgather_elementwise", "unfused_optimizer_overhead",
-                                            "unfused_optimizer_elementwise")},
+                                            "cp_allgather_elementwise")},
             # gloo's all-gather and all-to-all (the engines' reduce-scatter) at their own rates
             "all_gather_link": {"bandwidth": cached["gather_bandwidth"], "latency": cached["gather_latency"],
                                 "near_latency": cached["near_gather_latency"]},

@@ -18,9 +18,8 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
                 schedules only: torch's input and weight halves of a backward cost more than one full backward
     bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (planner/schedule.py)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
-                (+ dtensor_optimizer_overhead x its parameter tensors under FSDP2: the fused kernel on DTensors;
-                 under tp, whose parameters mix kinds, torch's default loop instead: + its tensors x
-                 unfused_optimizer_overhead + its elements x unfused_optimizer_elementwise)
+                (+ dtensor_optimizer_overhead x its parameter tensors under FSDP2 or tp: the fused kernel on
+                 DTensors, one call per kind of parameter under tp)
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
     latency   = near_latency + (latency - near_latency) x min(1, gap / latency_gap) where the hardware
                 gives both (local: gloo's threads sleep between calls, so a call costs more the longer
@@ -269,15 +268,6 @@ def fsdp_sharded(lay: PlannedLayout) -> bool:
     return lay.strategy.value in ("fsdp", "zero-3") and lay.grad_ranks > 1
 
 
-def fused_optimizer(lay: PlannedLayout) -> bool:
-    """Does this layout's AdamW run fused (parallel/strategy.py fusable: every parameter plain, or
-    every one a DTensor on one mesh)? Tensor parallelism leaves the position embedding plain (and
-    without sequence parallelism the LayerNorms), and fsdp x tp puts its shards on two meshes: torch's
-    default loop. First order: every tp rank counted so, a pipeline stage whose parameters might all
-    be tp DTensors included."""
-    return lay.tp == 1
-
-
 def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
     """Fixed seconds per block per micro-batch: every block's, plus the engines' host work where a
     block is tensor-parallel (DTensor; more with sequence parallelism's redistributions) or
@@ -366,14 +356,13 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, te
         seconds = calls * 2 * (n - 1) * step_latency(link, gap, hw)  # 4 bytes each: latency only
         terms.append(TimeTerm(f"norm all-reduce {group}", seconds, seconds,
                               f"{calls} calls x 2(n-1) ring steps x latency (the gradient norm's partial sums)"))
-    if not fused_optimizer(lay):
-        dispatch = tensors * hw.unfused_optimizer_overhead + opt_elems * hw.unfused_optimizer_elementwise
-        note = f" + torch's default loop over {tensors} tensors (unfused: DTensors and plain tensors mixed)"
-    else:
-        dispatch = tensors * hw.dtensor_optimizer_overhead if fsdp_sharded(lay) else 0.0
-        note = f" + {tensors} DTensor shards x {hw.dtensor_optimizer_overhead * 1e6:.3g} us"
+    # AdamW runs fused on every layout (parallel/strategy.py adamw; under tp one call per kind of
+    # parameter, parallel/adamw.py): each DTensor pays a dispatch, FSDP2's shards and tp's (first
+    # order: all of a tp rank's tensors counted so, its plain LayerNorms and embedding included)
+    dtensors = fsdp_sharded(lay) or lay.tp > 1
+    dispatch = tensors * hw.dtensor_optimizer_overhead if dtensors else 0.0
     seconds = opt_elems * OPTIMIZER_BYTES / hw.memory_bandwidth + dispatch
     terms.append(TimeTerm("optimizer", seconds, seconds,
                           f"{OPTIMIZER_BYTES} B x {opt_elems:,} stepped elements / memory bandwidth"
-                          + (note if dispatch else "")))
+                          + (f" + {tensors} DTensors x {hw.dtensor_optimizer_overhead * 1e6:.3g} us" if dispatch else "")))
     return terms

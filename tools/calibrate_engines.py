@@ -19,10 +19,6 @@ is closed.
   group's receive would leave them unwritten, and its reduce-scatter refuses the ring's shapes):
   the same shapes and kernels, the bytes' time left to the collectives' own figures. Measured at
   cp 2; planner/timing.py scales the ring's by cp - 1;
-- unfused_optimizer_overhead, unfused_optimizer_elementwise: torch's default AdamW (what a
-  tensor-parallel layout runs: its parameters mix DTensors and plain tensors) on the tp 2 tiny GPT
-  and a tp 2 wide one, beyond the fused kernel on plain copies of the same local tensors, split
-  into a part per parameter tensor and one per element (`two_part`);
 - plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds.
 """
 from __future__ import annotations
@@ -33,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model import GPT, GPTConfig, lm_loss
@@ -137,14 +132,11 @@ def engines(threads: int) -> dict:
     cp = {mode: two_part(*((median[f"cp {mode}{w}"] - median[f"plain cp{w}"], shape[0], shape[0] * shape[1] * shape[2] * shape[3])
                            for w, shape in (("", ENGINE_MODEL), (" wide", CP_WIDE)))) for mode in CP_MODES}
     optimizer = _dtensor_optimizer(models["fsdp"][0])
-    unfused = two_part(*(_unfused_optimizer(model) for model in
-                         (models["tp"][0], apply_tensor_parallel(_gpt(ENGINE_WIDE), mesh))))
     dist.destroy_process_group()
     return {"tp_overhead": extra["tp"], "sp_overhead": extra["sp"], "fsdp_overhead": fsdp, "fsdp_copy": copy,
             "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(_gpt(ENGINE_MODEL), small),
             **{f"cp_{mode}_overhead": cp[mode][0] for mode in CP_MODES},
-            **{f"cp_{mode}_elementwise": cp[mode][1] for mode in CP_MODES},
-            "unfused_optimizer_overhead": unfused[0], "unfused_optimizer_elementwise": unfused[1]}
+            **{f"cp_{mode}_elementwise": cp[mode][1] for mode in CP_MODES}}
 
 
 def two_part(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tuple[float, float]:
@@ -179,21 +171,6 @@ def _dtensor_optimizer(sharded: GPT, rounds: int = 15) -> float:
     dtensor, tensors = _interleaved_medians([torch.optim.AdamW(ps, lr=1e-4, fused=True).step for ps in (params, local)],
                                             rounds)
     return max(0.0, (dtensor - tensors) / len(params))
-
-
-def _unfused_optimizer(model: GPT, rounds: int = 15) -> tuple[float, int, int]:
-    """(seconds, parameter tensors, elements): torch's default AdamW step on `model`'s parameters
-    (a tensor-parallel mix) beyond fused AdamW on plain copies of their local tensors, the median
-    of interleaved rounds, never below 0."""
-    params = list(model.parameters())
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    local = [torch.nn.Parameter((p.to_local() if isinstance(p, DTensor) else p).detach().clone()) for p in params]
-    for p in local:
-        p.grad = torch.zeros_like(p)
-    default, fused = _interleaved_medians([torch.optim.AdamW(params, lr=1e-4).step,
-                                           torch.optim.AdamW(local, lr=1e-4, fused=True).step], rounds)
-    return max(0.0, default - fused), len(params), sum(p.numel() for p in local)
 
 
 def _plain_step(model: GPT, x: torch.Tensor) -> float:
