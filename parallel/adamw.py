@@ -29,6 +29,7 @@ class MeshwiseAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._accelerator_graph_capture_health_check()  # as torch's Adam.step (capturable under CUDA graphs)
         loss = None
         if closure is not None:
             with torch.enable_grad():

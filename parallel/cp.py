@@ -132,8 +132,8 @@ def flash_cpu_block_backward(dout, q, k, v, out, lse, causal: bool):
 
 
 def _scores(q, k, causal: bool) -> torch.Tensor:
-    """S = Q K^T / sqrt(d), in fp32 whatever q's dtype: the softmax's statistics stay fp32 under
-    bf16 autocast, as in a fused kernel (the matmuls themselves run in q's dtype)."""
+    """S = Q K^T / sqrt(d), widened to fp32 whatever q's dtype: the matmul runs (and rounds) in q's
+    dtype, the softmax's statistics built on it (log-sum-exp, P, dS) are fp32 under bf16 autocast."""
     s = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.size(-1))
     if causal:  # q and k are the same positions (the local block): key j visible to query i iff j <= i
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))

@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from parallel.adamw import MeshwiseAdamW
+
 MUON_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc", "proj")  # model.py's Linear layers in a block
 
 
@@ -111,7 +113,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__(muon_groups + adamw_groups, {"lr": lr})
         muon, adamw = self.param_groups[:len(muon_groups)], self.param_groups[len(muon_groups):]
         self._muon = Muon(muon, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw") if muon else None
-        self._adamw = torch.optim.AdamW(adamw, lr=lr, betas=betas, **({"fused": True} if fused else {}))
+        # torch's fused AdamW over one kind of parameter, else one fused call per kind (parallel/adamw.py)
+        self._adamw = (torch.optim.AdamW(adamw, lr=lr, betas=betas, fused=True) if fused
+                       else MeshwiseAdamW(adamw, lr=lr, betas=betas))
         self._link()
 
     def _link(self) -> None:

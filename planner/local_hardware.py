@@ -82,7 +82,9 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
     path = cache_path()
     cached = _read(path).get(key)
     how = f"cached in {path}"
-    if not isinstance(cached, dict) or set(cached) != set(UNCALIBRATED):
+    # a cache holding every figure is current; one with more (an older calibration's keys that
+    # nothing prices any more) too: a replan of a committed grid measures nothing
+    if not isinstance(cached, dict) or not set(UNCALIBRATED) <= set(cached):
         if measure is not None:
             cached, how = measure(), f"measured, cached in {path}"
             _store(path, key, cached)

@@ -83,7 +83,6 @@ class Check:
                                "main.py", f"data.path={self.corpus}", *SMALL, *overrides], timeout, **env)
 
 
-
 def tail(r: subprocess.CompletedProcess, n: int = 1) -> str:
     """The last non-empty lines of a run's output, for a FAIL line."""
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]

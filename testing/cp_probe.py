@@ -21,10 +21,11 @@ from model import GPT, GPTConfig, lm_loss
 from parallel import cp as cpmod
 
 WIDTH, HEADS, LAYERS, VOCAB, BATCH = 64, 4, 2, 64, 4
-# (loss gap, gradient gap) allowed: fp32 sums the same terms in another order (measured on the CPU:
-# 5e-7 and 3e-7 at cp 2 and 4); bf16 rounds the attention's inputs and the one model's fused kernel
-# differently (4e-3 relative gradient gap). A block missed or counted twice moves both by 1e-2 or more.
-BOUNDS = {"fp32": (1e-5, 1e-5), "bf16": (2e-2, 5e-2)}
+# (loss gap, gradient gap) allowed: fp32 sums the same terms in another order (measured: at most
+# 5e-7 on the CPU and on an H200, cp 2 and 4); bf16 rounds the attention's inputs and the one
+# model's fused kernel differently (at most 7e-5 and 7.6e-3 on the H200, 6e-5 and 4.4e-3 on the CPU).
+# A block missed or counted twice moves both by 1e-2 or more: fp32 tells it, bf16 at about 2x its noise.
+BOUNDS = {"fp32": (1e-5, 1e-5), "bf16": (5e-3, 1.5e-2)}
 
 
 class HostRing(cpmod.Ring):

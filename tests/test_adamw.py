@@ -4,17 +4,19 @@ DTensors; the step is element-wise, so no collective is needed and none runs).""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from checks import load_config
 from model import GPT, GPTConfig
 from parallel.adamw import MeshwiseAdamW
-from parallel.strategy import fusable
+from parallel.strategy import Strategy, fusable
 from parallel.tp import apply_tensor_parallel
 
 
@@ -46,6 +48,12 @@ def test_meshwise_adamw_steps_a_tensor_parallel_mix_as_torchs_default_adamw(tp_m
             torch.manual_seed(step)  # the same gradients for both: a DTensor's local shard, or a plain tensor
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
+            # a vocabulary-parallel embedding's gradient comes back Replicate beside its Shard(0)
+            # weight (parallel/dtensor.py grad_like_param): the kernel gets it laid out like the weight
+            emb = model.tok_emb.weight
+            assert isinstance(emb, DTensor) and emb.placements != (Replicate(),)
+            whole = torch.randn(emb.shape)  # every rank's copy (no collective: the fake group fills nothing)
+            emb.grad = DTensor.from_local(whole, emb.device_mesh, (Replicate(),), run_check=False)
         ours.step()
         torchs.step()
     for (name, a), b, start in zip(tp_model.named_parameters(), other.parameters(), before):
@@ -65,3 +73,13 @@ def test_torchs_fused_adamw_refuses_the_mix_that_meshwise_adamw_steps(tp_model):
     with pytest.raises(Exception):
         torch.optim.AdamW(tp_model.parameters(), lr=1e-2, fused=True).step()
     MeshwiseAdamW(tp_model.parameters(), lr=1e-2).step()
+
+
+def test_the_strategy_takes_meshwise_adamw_for_a_mix_and_torchs_fused_one_for_one_kind(tp_model):
+    """parallel/strategy.py Strategy.adamw: the tp model's mix steps in MeshwiseAdamW; a model of
+    plain tensors in torch's own fused AdamW (its state dict and kernel as before)."""
+    host = SimpleNamespace(cfg=load_config(None, []))  # adamw reads the optimizer's config only
+    assert type(Strategy.adamw(host, [{"params": list(tp_model.parameters())}])) is MeshwiseAdamW
+    plain = Strategy.adamw(host, [{"params": list(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2,
+                                                                n_embd=8)).parameters())}])
+    assert type(plain) is torch.optim.AdamW and plain.defaults["fused"] is True

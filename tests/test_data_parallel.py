@@ -507,7 +507,8 @@ def test_none_with_one_data_parallel_rank_is_a_layout(overrides, world):
 def test_adamw_is_fused_on_fsdp2_shards_and_on_plain_tensors_not_on_a_mix():
     """parallel/strategy.py's AdamW takes the fused kernel where every parameter is of one kind:
     FSDP2's DTensor shards on one mesh (torch's fake process group here: 2 ranks, one process) or
-    plain tensors; a mix of the two, or shards on two meshes (fsdp x tp), keeps torch's default.
+    plain tensors; a mix of the two, or shards on two meshes (fsdp x tp), is not one kind (it steps
+    in one fused call per kind: tests/test_adamw.py).
     The fused step on the shards computes what the fused step on plain copies of them computes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

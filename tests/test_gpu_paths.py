@@ -259,7 +259,7 @@ def test_the_gpu_checks_cp_probe_runs_the_gpus_kernels_within_its_bounds_here():
     """testing/cp_probe.py, which the GPU check runs on 2 and 4 ranks sharing a GPU, here on 2 CPU
     ranks with the GPU's plain-matmul block kernels: fp32 and bf16 autocast within its bounds (the
     bf16 backward of those kernels raised a dtype error before an H200 ran it)."""
-    r = torchrun(2, ["-m", "testing.cp_probe", "--math-kernels"], timeout=120)
+    r = torchrun(2, ["-m", "testing.cp_probe", "--math-kernels"], timeout=120, CUDA_VISIBLE_DEVICES="")  # on the CPU
     assert r.returncode == 0, r.stderr[-3000:]
     probe = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("cp-probe: "))[10:])
     assert probe["within_bounds"] and "math_block on cpu" in probe["summary"], probe
