@@ -82,9 +82,7 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
     path = cache_path()
     cached = _read(path).get(key)
     how = f"cached in {path}"
-    # a cache holding every figure is current; one with more (an older calibration's keys that
-    # nothing prices any more) too: a replan of a committed grid measures nothing
-    if not isinstance(cached, dict) or not set(UNCALIBRATED) <= set(cached):
+    if not current(cached):
         if measure is not None:
             cached, how = measure(), f"measured, cached in {path}"
             _store(path, key, cached)
@@ -118,6 +116,12 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             "overlap": False,  # one process per core: the cores do the collectives' work (planner/hardware.py)
             "shared_node": True,  # a local launch of more ranks than cores shares them
             "reduce_scatter_as_all_reduce": True}  # gloo's reduce_scatter_tensor is an all-reduce
+
+
+def current(cached) -> bool:
+    """Does a cache entry hold every figure the model reads? One with more (an older calibration's
+    keys that nothing prices any more) is current too: a replan of a committed grid measures nothing."""
+    return isinstance(cached, dict) and set(UNCALIBRATED) <= set(cached)
 
 
 def _read(path: Path) -> dict:

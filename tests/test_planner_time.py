@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
 
 import pytest
@@ -24,7 +25,7 @@ from planner import local_hardware
 from planner.auto import resolved_config
 from planner.hardware import Link, load_hardware
 from planner.timing import group_link
-from testing.local import TINY, python
+from testing.local import REPO, TINY, python
 from tools.calibrate import measure_local
 
 XL = ["data.tokenizer=gpt2", "model.n_layer=48", "model.n_head=25", "model.n_embd=1600",
@@ -549,3 +550,15 @@ def test_gloos_gathers_and_scatters_run_at_their_own_rates(tmp_path):
                   "inter_node: {bandwidth: 1.0e+9, latency: 1.0e-3}\nall_gather_link: {bandwidth: 2.0e+8, latency: 5.0e-3}\n")
     read = load_hardware(str(hw))
     assert read.gather_link == Link(2e8, 5e-3) and read.scatter_link is None
+
+
+def test_older_calibrations_with_keys_nothing_prices_any_more_are_still_current():
+    """A cache entry needs every figure the model reads and may hold more: the committed grids'
+    calibrations carry unfused_optimizer_* (priced until AdamW ran fused on every layout), and a
+    replan of them must read them, not measure this machine again."""
+    from planner.local_hardware import UNCALIBRATED, current
+    assert current(dict(UNCALIBRATED)) and current(dict(UNCALIBRATED, unfused_optimizer_overhead=7e-5))
+    assert not current({k: v for k, v in UNCALIBRATED.items() if k != "latency_gap"}) and not current(None)
+    committed = REPO / "docs" / "grid-n2-x3-unfused" / "grid-1" / "calibration-A" / "local-hardware.json"
+    entries = list(json.loads(committed.read_text()).values())
+    assert entries and all(current(e) and "unfused_optimizer_overhead" in e for e in entries)
