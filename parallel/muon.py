@@ -27,12 +27,11 @@ groups and keep their state in this optimizer's `state` (the parameters are disj
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
-
-from parallel.adamw import MeshwiseAdamW
 
 MUON_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc", "proj")  # model.py's Linear layers in a block
 
@@ -106,16 +105,16 @@ class Muon(torch.optim.Muon):
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon over `muon_groups`, AdamW over `adamw_groups` (lists of param-group dicts)."""
 
-    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float, betas: tuple[float, float],
-                 momentum: float = 0.95, fused: bool = False):
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float,
+                 adamw: Callable[[list[dict]], torch.optim.Optimizer], momentum: float = 0.95):
+        """`adamw` builds the AdamW part from its groups (Strategy.adamw: the configured betas and
+        the same fused kernel choice as without Muon)."""
         muon_groups = [dict(g, use_muon=True) for g in muon_groups if g["params"]]
         adamw_groups = [dict(g, use_muon=False) for g in adamw_groups if g["params"]]
         super().__init__(muon_groups + adamw_groups, {"lr": lr})
-        muon, adamw = self.param_groups[:len(muon_groups)], self.param_groups[len(muon_groups):]
+        muon, adamw_part = self.param_groups[:len(muon_groups)], self.param_groups[len(muon_groups):]
         self._muon = Muon(muon, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw") if muon else None
-        # torch's fused AdamW over one kind of parameter, else one fused call per kind (parallel/adamw.py)
-        self._adamw = (torch.optim.AdamW(adamw, lr=lr, betas=betas, fused=True) if fused
-                       else MeshwiseAdamW(adamw, lr=lr, betas=betas))
+        self._adamw = adamw(adamw_part)
         self._link()
 
     def _link(self) -> None:

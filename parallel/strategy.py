@@ -161,18 +161,18 @@ class Strategy:
 
     def adamw(self, groups: list[dict]) -> torch.optim.AdamW:
         """AdamW with the configured hyper-parameters, fused (CPU and CUDA both have the kernel):
-        torch's own where every parameter is of one kind (`fusable`: all plain tensors, or all
-        DTensors on one mesh), else one fused call per kind (parallel/adamw.py: tensor parallelism
-        leaves some parameters plain); torch's default for any other tensor subclass. torch's default on a CPU is a loop over the parameters,
-        about 10 ops each, every one a DTensor dispatch on sharded ones: an FSDP2 step of 8
-        blocks of 256 spent 15.7 ms in AdamW where the fused kernel takes 3.5 (docs/planner.md)."""
+        torch's own where every parameter is of one kind (all plain tensors, or all DTensors on one
+        mesh), else one fused call per kind (parallel/adamw.py: tensor parallelism leaves some
+        parameters plain); torch's default for another tensor subclass, which the kernel may not
+        take. That default on a CPU is a loop over the parameters, about 10 ops each, every one a
+        DTensor dispatch on sharded ones: an FSDP2 step of 8 blocks of 256 spent 15.7 ms in AdamW
+        where the fused kernel takes 3.5 (docs/planner.md)."""
         o = self.cfg.optimizer
         hyper = {"lr": o.lr, "betas": (o.beta1, o.beta2)}
-        if fusable(groups):
-            return torch.optim.AdamW(groups, fused=True, **hyper)
-        if None in parameter_kinds(groups):  # a tensor subclass the fused kernel may not take: torch's default
+        kinds = parameter_kinds(groups)
+        if None in kinds:
             return torch.optim.AdamW(groups, **hyper)
-        return MeshwiseAdamW(groups, **hyper)
+        return torch.optim.AdamW(groups, fused=True, **hyper) if len(kinds) == 1 else MeshwiseAdamW(groups, **hyper)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         if self.cfg.optimizer.name == "muon":  # DTensor shards gathered per matrix; ZeRO-1/2 refused (options.py)
@@ -185,7 +185,7 @@ class Strategy:
         groups = self.param_groups()
         muon = [dict(g, params=[p for p in g["params"] if id(p) in hidden]) for g in groups]
         rest = [dict(g, params=[p for p in g["params"] if id(p) not in hidden]) for g in groups]
-        return MuonWithAdamW(muon, rest, lr=o.lr, betas=(o.beta1, o.beta2), fused=fusable(rest))
+        return MuonWithAdamW(muon, rest, lr=o.lr, adamw=self.adamw)
 
     def make_grad_scaler(self):
         return make_grad_scaler(self.cfg, self.layout, self.mesh, self.device, self.grads_sharded)

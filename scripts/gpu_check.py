@@ -78,9 +78,13 @@ class Check:
         return self.run(name, [sys.executable, "main.py", f"data.path={self.corpus}", *SMALL, *overrides],
                         timeout, **env)
 
+    def launch(self, name: str, nproc: int, args: list[str], timeout: float = 180, **env) -> subprocess.CompletedProcess:
+        """`args` under a standalone torchrun of `nproc` ranks (the suite's command line)."""
+        from testing.local import torchrun_argv  # the repository is on sys.path by now
+        return self.run(name, torchrun_argv(nproc, args), timeout, **env)
+
     def torchrun(self, name: str, *overrides: str, timeout: float = 180, **env) -> subprocess.CompletedProcess:
-        return self.run(name, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                               "main.py", f"data.path={self.corpus}", *SMALL, *overrides], timeout, **env)
+        return self.launch(name, 1, ["main.py", f"data.path={self.corpus}", *SMALL, *overrides], timeout, **env)
 
 
 def tail(r: subprocess.CompletedProcess, n: int = 1) -> str:
@@ -123,8 +127,7 @@ def check_cuda() -> Result:
 
 def check_flight_recorder(c: Check) -> Result:
     """The watchdog's reader (guards/watchdog.flight_records) sees NCCL's CUDA collectives."""
-    r = c.run("flight_recorder", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                                  "scripts/gpu_check.py", "--probe-flight-recorder"], 120, TORCH_FR_BUFFER_SIZE=200)
+    r = c.launch("flight_recorder", 1, ["scripts/gpu_check.py", "--probe-flight-recorder"], 120, TORCH_FR_BUFFER_SIZE=200)
     found = re.search(r"^probe: (\{.*\})$", r.stdout, re.M)
     if r.returncode != 0 or not found:
         return Result("nccl-flight-recorder", "FAIL", f"exit {r.returncode}: {tail(r)}")
@@ -153,8 +156,7 @@ def probe_flight_recorder() -> None:
 
 def check_cp(c: Check, ranks: int) -> Result:
     """parallel.cp's attention on this GPU's block kernels: `ranks` processes of testing/cp_probe.py."""
-    r = c.run(f"cp{ranks}", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc_per_node={ranks}", "-m", "testing.cp_probe"], 150)
+    r = c.launch(f"cp{ranks}", ranks, ["-m", "testing.cp_probe"], 150)
     found = re.search(r"^cp-probe: (\{.*\})$", r.stdout, re.M)
     probe = json.loads(found.group(1)) if found and r.returncode == 0 else {}
     ok = probe.get("within_bounds") and probe.get("device", "cpu") != "cpu"
@@ -169,8 +171,7 @@ def check_snapshots(c: Check, name: str, *overrides: str, background: bool) -> R
     args = [f"data.path={c.corpus}", *SMALL, f"trainer.run_dir={run}", *overrides, "trainer.max_steps=30",
             "trainer.save_every=10", "trainer.log_every=5", "trainer.eval_every=30", "trainer.hang_timeout_s=10",
             f"trainer.async_save={str(background).lower()}"]
-    r = c.run(name, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "main.py",
-                     *args], 150)
+    r = c.launch(name, 1, ["main.py", *args], 150)
     snaps = sorted(p.name for p in (run / "snapshots").glob("step_*")) if (run / "snapshots").is_dir() else []
     if r.returncode != 0:
         hang = next((l for l in r.stdout.splitlines() if l.startswith("hang:")), None)
