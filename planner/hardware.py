@@ -111,6 +111,12 @@ class Hardware:
     cp_ring_elementwise: float = 0.0
     cp_allgather_overhead: float = 0.0
     cp_allgather_elementwise: float = 0.0
+    # seconds per ring step that FSDP2's own all-gathers and reduce-scatters cost at least, beyond
+    # their bytes, measured in FSDP2's pattern on the backend (local: a 2-rank FSDP2 GPT's forward +
+    # backward on gloo, less the same on the fake process group, per call: tools/calibrate.py). On
+    # the 2-core CPU about a ms a call even with little compute between calls, where a call right
+    # after another measures 0.4-0.6 ms. Absent: 0, FSDP2's calls priced like any other
+    fsdp_call_latency: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -176,7 +182,8 @@ def hardware_of(raw, where: str) -> Hardware:
                     *(_optional(raw, key, where) for key in ("split_backward_overhead", "split_backward_elementwise",
                                                                "fsdp_copy", "dtensor_optimizer_overhead", "latency_gap",
                                                                "cp_ring_overhead", "cp_ring_elementwise",
-                                                               "cp_allgather_overhead", "cp_allgather_elementwise")))
+                                                               "cp_allgather_overhead", "cp_allgather_elementwise",
+                                                               "fsdp_call_latency")))
 
 
 def _link(raw: dict, key: str, where: str) -> Link:

@@ -24,7 +24,8 @@ UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "b
                 "split_backward_overhead": 0.0, "split_backward_elementwise": 0.0, "fsdp_copy": 0.0,
                 "dtensor_optimizer_overhead": 0.0, "near_latency": 100e-6, "near_gather_latency": 100e-6,
                 "near_scatter_latency": 100e-6, "latency_gap": 0.0, "cp_ring_overhead": 0.0,
-                "cp_ring_elementwise": 0.0, "cp_allgather_overhead": 0.0, "cp_allgather_elementwise": 0.0}
+                "cp_ring_elementwise": 0.0, "cp_allgather_overhead": 0.0, "cp_allgather_elementwise": 0.0,
+                "fsdp_call_latency": 0.0}
 
 
 def cache_path() -> Path:
@@ -105,6 +106,8 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             # FSDP2's copies per parameter element, AdamW's DTensor dispatch per tensor (tools/calibrate_engines.py)
             "fsdp_copy": cached["fsdp_copy"], "dtensor_optimizer_overhead": cached["dtensor_optimizer_overhead"],
             "latency_gap": cached["latency_gap"],
+            # an FSDP2 gather or reduce-scatter on gloo in FSDP2's own pattern (tools/calibrate.py)
+            "fsdp_call_latency": cached["fsdp_call_latency"],
             # context parallelism's attention beyond one fused attention (tools/calibrate_engines.py)
             **{key: cached[key] for key in ("cp_ring_overhead", "cp_ring_elementwise", "cp_allgather_overhead",
                                             "cp_allgather_elementwise")},

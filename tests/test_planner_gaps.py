@@ -111,6 +111,8 @@ def test_context_parallel_pays_its_attention_per_block_and_per_element(tmp_path,
      "needs cp_ring_elementwise: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ncp_allgather_overhead: -1\n",
      "needs cp_allgather_overhead: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\nfsdp_call_latency: -1.0e-3\n",
+     "needs fsdp_call_latency: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "all_gather_link: {bandwidth: 1.0e+9, latency: 1.0e-5, near_latency: 0}\n", "needs near_latency: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
@@ -133,10 +135,39 @@ def test_a_hardware_file_reads_near_latency_and_the_gap(tmp_path):
     good.write_text("name: x\ndevices_per_node: 8\nmemory: 80GB\npeak_flops: {fp32: 1.0e+12}\n"
                     "intra_node: {bandwidth: 1.0e+9, latency: 1.0e-3, near_latency: 2.0e-4}\n"
                     "inter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\nmemory_bandwidth: 1.0e+9\n"
-                    "compute_efficiency: 0.5\nlatency_gap: 0.005\ncp_ring_overhead: 3.0e-4\n")
+                    "compute_efficiency: 0.5\nlatency_gap: 0.005\ncp_ring_overhead: 3.0e-4\nfsdp_call_latency: 1.0e-3\n")
     hw = load_hardware(str(good))
     assert hw.intra_node == Link(1e9, 1e-3, 2e-4) and hw.inter_node.near_latency is None
     assert hw.latency_gap == 0.005 and hw.cp_ring_overhead == 3e-4 and hw.cp_allgather_overhead == 0.0
+    assert hw.fsdp_call_latency == 1e-3 and load_hardware("h100-sxm").fsdp_call_latency == 0.0
+
+
+@pytest.mark.parametrize("overrides, fsdp", [
+    (("parallel.strategy=fsdp",), True), (("parallel.strategy=zero", "parallel.zero_stage=3"), True),
+    (("parallel.strategy=fsdp", "parallel.reshard_after_forward=false"), True),
+    (("parallel.strategy=ddp",), False), (("parallel.strategy=zero", "parallel.zero_stage=2"), False),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true"), False)])
+def test_fsdp2s_own_calls_cost_at_least_the_measured_fsdp_call_latency(tmp_path, overrides, fsdp):
+    """FSDP2's all-gathers and reduce-scatters pay max(fsdp_call_latency, the link's latency)
+    per ring step (2 ranks: one step a call): a floor, not an addition, so a link slower than it
+    changes nothing. ZeRO-2's gathers and scatters, DDP's all-reduce and sequence parallelism's
+    gathers keep the link's latency."""
+    base = dataclasses.replace(_base(), gather_link=Link(1e9, 2e-4), scatter_link=Link(1e9, 3e-4))
+    floor = dataclasses.replace(base, fsdp_call_latency=1e-3)
+    plans = [_plan(tmp_path, hw, *overrides) for hw in (base, floor)]
+    terms = [{t.name: t.seconds for t in p.time.terms} for p in plans]
+    calls = {c.kind: c.calls for c in plans[0].collectives}
+    for kind, latency in (("all-gather", 2e-4), ("reduce-scatter", 3e-4)):
+        name = next((n for n in terms[0] if n.startswith(kind)), None)
+        if fsdp:
+            assert terms[1][name] - terms[0][name] == pytest.approx(calls[kind] * (1e-3 - latency))
+        elif name:
+            assert terms[1][name] == terms[0][name]
+    assert {k: v for k, v in terms[1].items() if not k.startswith(("all-gather", "reduce-scatter"))} == \
+        {k: v for k, v in terms[0].items() if not k.startswith(("all-gather", "reduce-scatter"))}
+    slower = dataclasses.replace(base, gather_link=Link(1e9, 2e-3), scatter_link=Link(1e9, 2e-3))
+    assert _plan(tmp_path, slower, *overrides).time.step_s == \
+        _plan(tmp_path, dataclasses.replace(slower, fsdp_call_latency=1e-3), *overrides).time.step_s
 
 
 def test_a_group_across_nodes_keeps_its_cards_near_latency(tmp_path):

@@ -562,3 +562,38 @@ def test_older_calibrations_with_keys_nothing_prices_any_more_are_still_current(
     committed = REPO / "docs" / "grid-n2-x3-unfused" / "grid-1" / "calibration-A" / "local-hardware.json"
     entries = list(json.loads(committed.read_text()).values())
     assert entries and all(current(e) and "unfused_optimizer_overhead" in e for e in entries)
+
+
+def test_fsdp_calls_counts_what_fsdp2_issues_in_a_step():
+    """tools/calibrate.py divides FSDP2's time on gloo by fsdp_calls: per unit (4 blocks + the root)
+    a gather in forward, another in backward (parallel/fsdp.py reshards the root too) and one
+    reduce-scatter, 15 calls, as torch's CommDebugMode counts them on the fake process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from model import lm_loss
+    from tools.calibrate_engines import ENGINE_MODEL, engine_gpt, engine_tokens, fsdp_calls, fully_sharded
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        model = fully_sharded(engine_gpt(ENGINE_MODEL), init_device_mesh("cpu", (2,)))
+        x = engine_tokens(ENGINE_MODEL)
+        lm_loss(model(x), x).backward()  # FSDP2's lazy initialisation
+        with CommDebugMode() as comm:
+            lm_loss(model(x), x).backward()
+    finally:
+        dist.destroy_process_group()
+    counts = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+    assert fsdp_calls(model) == 15 and counts == {"_allgather_base_": 10, "_reduce_scatter_base_": 5}
+
+
+def test_fsdp_call_latency_is_the_time_on_gloo_beyond_host_work_and_bytes_per_call():
+    """(gloo step - fake step x busy - bytes at gloo's rates) / calls: the engine GPT's parameters
+    are gathered twice and reduce-scattered once, each rank sending half; never below 0."""
+    from tools.calibrate import fsdp_call_latency
+    from tools.calibrate_engines import ENGINE_MODEL, engine_gpt
+    half = engine_gpt(ENGINE_MODEL).num_params(exclude_position=False) * 4 / 2
+    wire = 2 * half / 1e9 + half / 2e9
+    assert fsdp_call_latency(0.030, 0.006, 1.05, 1e9, 2e9) == pytest.approx((0.030 - 0.0063 - wire) / 15)
+    assert fsdp_call_latency(0.005, 0.006, 1.05, 1e9, 2e9) == 0.0

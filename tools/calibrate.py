@@ -12,6 +12,8 @@
   remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
 - engine overheads: what tensor, sequence, FSDP2 and context parallelism cost beyond a plain GPT,
   timed in one process on torch's fake process group (tools/calibrate_engines.py);
+- FSDP2's calls on gloo: the tiny GPT under FSDP2 on the 2 processes' gloo group, less the same on
+  the fake process group and less the bytes, per call (fsdp_call_latency);
 - compute efficiency and element-wise cost: forward + backward of a 256-wide and a 64-wide block
   on the same 8 x 128 tokens, less the block overhead: the matmuls' fraction of the peak and the
   seconds per activation element of the rest (LayerNorm, GELU, softmax, adds), two equations in
@@ -49,11 +51,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from model import Block, GPTConfig
 from observe.perf import cpu_peak
-from tools.calibrate_engines import ENGINE_MODEL, engines, timed
+from tools.calibrate_engines import (
+    ENGINE_MODEL,
+    engine_gpt,
+    engine_tokens,
+    engines,
+    fsdp_calls,
+    fsdp_step,
+    fully_sharded,
+    timed,
+)
 from tools.processes import child_env, multiprocess_lock
 
 EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block that measures compute efficiency
@@ -264,6 +276,20 @@ class LinkTimer:
         return got
 
 
+def fsdp_call_latency(gloo: float, fake: float, busy: float, gather_bandwidth: float, scatter_bandwidth: float) -> float:
+    """Seconds per FSDP2 gather or reduce-scatter at 2 ranks beyond its bytes, in FSDP2's own pattern:
+    the tiny GPT's forward + backward under FSDP2 on gloo (`gloo`, both ranks computing) less the
+    same on the fake process group (`fake`, its host work alone, x `busy` for two computing ranks)
+    less the bytes at gloo's gather and all-to-all rates (each rank sends half the parameters per
+    gather and per reduce-scatter), over its calls. Measured here: a ms or more a call, where a 4 KB
+    call right after another costs 0.4-0.6 ms: FSDP2 waits on calls it issued from its hooks, with
+    little compute between them (planner/timing.py prices its calls at least this)."""
+    model = engine_gpt(ENGINE_MODEL)
+    half = model.num_params(exclude_position=False) * 4 / 2
+    wire = 2 * half / gather_bandwidth + half / scatter_bandwidth
+    return max(0.0, (gloo - fake * busy - wire) / fsdp_calls(model))
+
+
 def _link_child(rank: int, store_path: str, threads: int) -> None:
     """One of the 2 calibration processes. A step issues each collective after a stretch of compute,
     and its time sums many of them: so each call here follows the same ~6 ms of matmuls on both
@@ -285,13 +311,17 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     got = timer.rates()
     gap = sorted(timed(timer.work) for _ in range(5))[2]
     (latency, bandwidth, near), gather, scatter = got["all-reduce"], got["all-gather"], got["all-to-all"]
+    gloo_fsdp = fsdp_step(fully_sharded(engine_gpt(ENGINE_MODEL), init_device_mesh("cpu", (2,))),
+                          engine_tokens(ENGINE_MODEL))
     dist.destroy_process_group()
     if rank == 0:
+        figures = engines(threads)
+        call = fsdp_call_latency(gloo_fsdp, figures.pop("fsdp_step"), slowdown, gather[1], scatter[1])
         print(json.dumps({"latency": latency, "bandwidth": bandwidth, "near_latency": near, "latency_gap": gap,
                           "busy_node_slowdown": slowdown,
                           "gather_latency": gather[0], "gather_bandwidth": gather[1], "near_gather_latency": gather[2],
                           "scatter_latency": scatter[0], "scatter_bandwidth": scatter[1], "near_scatter_latency": scatter[2],
-                          **engines(threads)}), flush=True)
+                          "fsdp_call_latency": call, **figures}), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ is closed.
   group's receive would leave them unwritten, and its reduce-scatter refuses the ring's shapes):
   the same shapes and kernels, the bytes' time left to the collectives' own figures. Measured at
   cp 2; planner/timing.py scales the ring's by cp - 1;
-- plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds.
+- plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds;
+- fsdp_step: the FSDP2 tiny GPT's forward + backward here, where its collectives return at once:
+  tools/calibrate.py subtracts it from the same on gloo (fsdp_call_latency).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model import GPT, GPTConfig, lm_loss
+from parallel.collectives import RingReduceScatter
 from parallel.cp import Ring, apply_context_parallel
 from parallel.tp import apply_tensor_parallel
 
@@ -65,16 +68,44 @@ class LocalRing(Ring):
         return lambda: list(tensors)
 
 
-def _gpt(shape: tuple[int, int, int, int], positions: int | None = None) -> GPT:
+def engine_gpt(shape: tuple[int, int, int, int], positions: int | None = None) -> GPT:
     layers, width, block, _ = shape
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=64, block_size=positions or block, n_layer=layers, n_head=4, n_embd=width,
                          dropout=0.0))
 
 
+def fully_sharded(model: GPT, mesh) -> GPT:
+    """`model` under FSDP2 over `mesh` as parallel/fsdp.py wraps it (every block, then the root,
+    each resharded after forward; on gloo the project's ring reduce-scatter)."""
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    if dist.get_backend() == "gloo":
+        for unit in [*model.blocks.values(), model]:
+            unit.set_custom_reduce_scatter(RingReduceScatter())
+    return model
+
+
+def fsdp_calls(model: GPT) -> int:
+    """FSDP2's collective calls in one forward + backward of a `fully_sharded` GPT: per unit (each
+    block and the root) an all-gather in forward, another in backward, one reduce-scatter."""
+    return 3 * (len(model.blocks) + 1)
+
+
+def fsdp_step(model: GPT, x: torch.Tensor, rounds: int = ROUNDS) -> float:
+    """The median forward + backward seconds of `model` on x over `rounds` steps after WARMUP."""
+    return _interleaved_medians([lambda: lm_loss(model(x), x).backward()], rounds)[0]
+
+
+def engine_tokens(shape: tuple[int, int, int, int], stretch: int = 1) -> torch.Tensor:
+    """A rank's tokens for a GPT of `shape` (`stretch` x longer sequences, as many fewer)."""
+    return torch.randint(0, 64, (shape[3] // stretch, shape[2] * stretch))
+
+
 def _context_parallel(shape: tuple[int, int, int, int], mode: str) -> GPT:
     """cp rank 1 of 2 of a GPT whose sequences are twice `shape`'s positions long."""
-    model = _gpt(shape, 2 * shape[2])
+    model = engine_gpt(shape, 2 * shape[2])
     apply_context_parallel(model, LocalRing(), mode)
     return model
 
@@ -105,21 +136,17 @@ def engines(threads: int) -> dict:
     mesh = init_device_mesh("cpu", (2,))
 
     def sharded(model: GPT) -> GPT:
-        for block in model.blocks.values():
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-
-    def tokens(shape: tuple[int, int, int, int], stretch: int = 1) -> torch.Tensor:
-        return torch.randint(0, 64, (shape[3] // stretch, shape[2] * stretch))
+        return fully_sharded(model, mesh)
+    tokens = engine_tokens
     small, wide, cp_wide = tokens(ENGINE_MODEL), tokens(ENGINE_WIDE), tokens(CP_WIDE)
-    models = {"plain": (_gpt(ENGINE_MODEL), small), "tp": (apply_tensor_parallel(_gpt(ENGINE_MODEL), mesh), small),
-              "sp": (apply_tensor_parallel(_gpt(ENGINE_MODEL), mesh, sequence_parallel=True), small),
-              "fsdp": (sharded(_gpt(ENGINE_MODEL)), small),
-              "plain wide": (_gpt(ENGINE_WIDE), wide), "fsdp wide": (sharded(_gpt(ENGINE_WIDE)), wide),
+    models = {"plain": (engine_gpt(ENGINE_MODEL), small), "tp": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh), small),
+              "sp": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh, sequence_parallel=True), small),
+              "fsdp": (sharded(engine_gpt(ENGINE_MODEL)), small),
+              "plain wide": (engine_gpt(ENGINE_WIDE), wide), "fsdp wide": (sharded(engine_gpt(ENGINE_WIDE)), wide),
               # the same tokens and query-key pairs as a cp rank's (the zigzag split gives each rank
               # the same pairs: planner/timing.py attention_flops): half the sequences, twice as long
-              "plain cp": (_gpt(ENGINE_MODEL, 2 * ENGINE_MODEL[2]), tokens(ENGINE_MODEL, 2)),
-              "plain cp wide": (_gpt(CP_WIDE, 2 * CP_WIDE[2]), tokens(CP_WIDE, 2))}
+              "plain cp": (engine_gpt(ENGINE_MODEL, 2 * ENGINE_MODEL[2]), tokens(ENGINE_MODEL, 2)),
+              "plain cp wide": (engine_gpt(CP_WIDE, 2 * CP_WIDE[2]), tokens(CP_WIDE, 2))}
     for mode in CP_MODES:
         models[f"cp {mode}"] = (_context_parallel(ENGINE_MODEL, mode), small)
         models[f"cp {mode} wide"] = (_context_parallel(CP_WIDE, mode), cp_wide)
@@ -134,7 +161,8 @@ def engines(threads: int) -> dict:
     optimizer = _dtensor_optimizer(models["fsdp"][0])
     dist.destroy_process_group()
     return {"tp_overhead": extra["tp"], "sp_overhead": extra["sp"], "fsdp_overhead": fsdp, "fsdp_copy": copy,
-            "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(_gpt(ENGINE_MODEL), small),
+            "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(engine_gpt(ENGINE_MODEL), small),
+            "fsdp_step": median["fsdp"],  # FSDP2's host work alone: tools/calibrate.py fsdp_call_latency
             **{f"cp_{mode}_overhead": cp[mode][0] for mode in CP_MODES},
             **{f"cp_{mode}_elementwise": cp[mode][1] for mode in CP_MODES}}
 
