@@ -111,8 +111,8 @@ class Hardware:
     cp_ring_elementwise: float = 0.0
     cp_allgather_overhead: float = 0.0
     cp_allgather_elementwise: float = 0.0
-    # seconds per ring step that FSDP2's own all-gathers and reduce-scatters cost at least, beyond
-    # their bytes, measured in FSDP2's pattern on the backend (local: a 2-rank FSDP2 GPT's forward +
+    # seconds per call that FSDP2's own all-gathers and reduce-scatters cost at least, beyond their
+    # bytes, measured in FSDP2's pattern on the backend (local: a 2-rank FSDP2 GPT's forward +
     # backward on gloo, less the same on the fake process group, per call: tools/calibrate.py). On
     # the 2-core CPU about a ms a call even with little compute between calls, where a call right
     # after another measures 0.4-0.6 ms. Absent: 0, FSDP2's calls priced like any other

@@ -21,8 +21,8 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
                 (+ dtensor_optimizer_overhead x its parameter tensors under FSDP2 or tp: the fused kernel on
                  DTensors, one call per kind of parameter under tp)
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
-                (FSDP2's gathers and reduce-scatters: latency at least fsdp_call_latency, what one
-                 costs on the backend in FSDP2's own pattern where the hardware measured it)
+                (FSDP2's gathers and reduce-scatters: a call's latency at least fsdp_call_latency,
+                 what one costs on the backend in FSDP2's own pattern where the hardware measured it)
     latency   = near_latency + (latency - near_latency) x min(1, gap / latency_gap) where the hardware
                 gives both (local: gloo's threads sleep between calls, so a call costs more the longer
                 the rank computed since its last one); gap = the rank's compute / its calls per step
@@ -173,10 +173,11 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: flo
         steps = 2 * (n - 1)
     else:
         steps = n - 1
-    # FSDP2's own gathers and reduce-scatters never cost less per ring step than its calls measured
-    # on the backend in FSDP2's own pattern (Hardware.fsdp_call_latency; 0 where not measured)
+    # an FSDP2 gather or reduce-scatter never costs less than its calls measured on the backend in
+    # FSDP2's own pattern (Hardware.fsdp_call_latency, measured at 2 ranks, one ring step: taken as
+    # the least a call costs, whatever its ring steps; 0 where not measured)
     floor = hw.fsdp_call_latency if fsdp_sharded(lay) and c.kind in ("all-gather", "reduce-scatter") else 0.0
-    seconds = c.calls * steps * max(floor, step_latency(link, gap, hw)) + c.moved_bytes / link.bandwidth
+    seconds = c.calls * max(floor, steps * step_latency(link, gap, hw)) + c.moved_bytes / link.bandwidth
     if c.gather_calls and hw.gather_link and where == "intra-node":
         # cp's allgather mode and sequence parallelism: their all-gathers at the backend's own rates
         # (DTensor's and cp's call the same all_gather_into_tensor the calibration times), the rest,

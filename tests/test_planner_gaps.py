@@ -148,9 +148,9 @@ def test_a_hardware_file_reads_near_latency_and_the_gap(tmp_path):
     (("parallel.strategy=ddp",), False), (("parallel.strategy=zero", "parallel.zero_stage=2"), False),
     (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true"), False)])
 def test_fsdp2s_own_calls_cost_at_least_the_measured_fsdp_call_latency(tmp_path, overrides, fsdp):
-    """FSDP2's all-gathers and reduce-scatters pay max(fsdp_call_latency, the link's latency)
-    per ring step (2 ranks: one step a call): a floor, not an addition, so a link slower than it
-    changes nothing. ZeRO-2's gathers and scatters, DDP's all-reduce and sequence parallelism's
+    """FSDP2's all-gathers and reduce-scatters pay max(fsdp_call_latency, the link's latency x
+    ring steps) per call (2 ranks: one step a call): a floor, not an addition, so a link slower
+    than it changes nothing. ZeRO-2's gathers and scatters, DDP's all-reduce and sequence parallelism's
     gathers keep the link's latency."""
     base = dataclasses.replace(_base(), gather_link=Link(1e9, 2e-4), scatter_link=Link(1e9, 3e-4))
     floor = dataclasses.replace(base, fsdp_call_latency=1e-3)
@@ -168,6 +168,22 @@ def test_fsdp2s_own_calls_cost_at_least_the_measured_fsdp_call_latency(tmp_path,
     slower = dataclasses.replace(base, gather_link=Link(1e9, 2e-3), scatter_link=Link(1e9, 2e-3))
     assert _plan(tmp_path, slower, *overrides).time.step_s == \
         _plan(tmp_path, dataclasses.replace(slower, fsdp_call_latency=1e-3), *overrides).time.step_s
+
+
+def test_the_fsdp_call_floor_is_per_call_whatever_its_ring_steps(tmp_path):
+    """fsdp over 4 ranks of one node: a gather is 3 ring steps. fsdp_call_latency (measured at 2
+    ranks, one step a call) floors the call's latency, calls x max(floor, 3 x latency): a floor
+    above 3 steps of the link's adds the difference per call, one below them nothing."""
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", "parallel.strategy=fsdp"])
+    base = dataclasses.replace(_base(), devices_per_node=4, gather_link=Link(1e9, 2e-4), scatter_link=Link(1e9, 2e-4))
+
+    def gathers(hw):
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 4), True, None, hw)
+        calls = next(c.calls for c in lp.collectives if c.kind == "all-gather")
+        return next(t.seconds for t in lp.time.terms if t.name.startswith("all-gather")), calls
+    (plain, calls), (floored, _) = gathers(base), gathers(dataclasses.replace(base, fsdp_call_latency=1e-3))
+    assert floored - plain == pytest.approx(calls * (1e-3 - 3 * 2e-4))
+    assert gathers(dataclasses.replace(base, fsdp_call_latency=5e-4))[0] == plain
 
 
 def test_a_group_across_nodes_keeps_its_cards_near_latency(tmp_path):

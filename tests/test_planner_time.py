@@ -147,6 +147,8 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert first.intra_node.latency > 0 and first.peak("fp32") > 0
     # the engines' host work per block, measured on the fake group (DTensor's dispatch, FSDP2's hooks)
     assert first.tp_overhead > 0 and first.fsdp_overhead > 0 and first.sp_overhead > 0
+    # FSDP2's calls on the real gloo group cost more than its host work and bytes
+    assert first.fsdp_call_latency > 0
     assert not first.overlap  # the CPU's cores do the collectives' work
     assert first.shared_node  # a local launch of more ranks than cores shares them
     assert first.reduce_scatter_as_all_reduce  # gloo's reduce_scatter_tensor is an all-reduce
