@@ -315,8 +315,8 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     sharded = fully_sharded(engine_gpt(ENGINE_MODEL), init_device_mesh("cpu", (2,)))
     gloo_fsdp = fsdp_step(sharded, engine_tokens(ENGINE_MODEL))
     # FSDP2's state holds gloo's work and its tensors: released while the interpreter is alive, else
-    # a process sometimes aborted at exit ("terminate called without an active exception": 1 in 6-20
-    # calibrations here; the cause, https://github.com/pytorch/pytorch/pull/179291)
+    # a process sometimes aborted at exit ("terminate called without an active exception": 2 in
+    # about 30 calibrations here; the cause, https://github.com/pytorch/pytorch/pull/179291)
     del sharded
     gc.collect()
     dist.barrier()
