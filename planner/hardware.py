@@ -115,7 +115,7 @@ class Hardware:
     # bytes, measured in FSDP2's pattern on the backend (local: a 2-rank FSDP2 GPT's forward +
     # backward on gloo, less the same on the fake process group, per call: tools/calibrate.py). On
     # the 2-core CPU about a ms a call even with little compute between calls, where a call right
-    # after another measures 0.4-0.6 ms. Absent: 0, FSDP2's calls priced like any other
+    # after another measures 0.15-1.0 ms. Absent: 0, FSDP2's calls priced like any other
     fsdp_call_latency: float = 0.0
 
     def peak(self, dtype: str) -> float:

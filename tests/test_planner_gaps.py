@@ -150,8 +150,8 @@ def test_a_hardware_file_reads_near_latency_and_the_gap(tmp_path):
 def test_fsdp2s_own_calls_cost_at_least_the_measured_fsdp_call_latency(tmp_path, overrides, fsdp):
     """FSDP2's all-gathers and reduce-scatters pay max(fsdp_call_latency, the link's latency x
     ring steps) per call (2 ranks: one step a call): a floor, not an addition, so a link slower
-    than it changes nothing. ZeRO-2's gathers and scatters, DDP's all-reduce and sequence parallelism's
-    gathers keep the link's latency."""
+    than it changes nothing. ZeRO-2's gathers and scatters, DDP's all-reduce and, without FSDP2,
+    sequence parallelism's gathers keep the link's latency."""
     base = dataclasses.replace(_base(), gather_link=Link(1e9, 2e-4), scatter_link=Link(1e9, 3e-4))
     floor = dataclasses.replace(base, fsdp_call_latency=1e-3)
     plans = [_plan(tmp_path, hw, *overrides) for hw in (base, floor)]
@@ -284,3 +284,22 @@ def test_the_fused_optimizer_pays_a_dispatch_per_tensor_where_parameters_are_dte
     optimizer = [{t.name: t.seconds for t in p.time.terms}["optimizer"] for p in plans]
     tensors = len(list(GPT(g).parameters()))  # every rank steps a piece of every tensor
     assert optimizer[1] - optimizer[0] == pytest.approx(tensors * 1e-4 if dtensors else 0.0)
+
+
+@pytest.mark.parametrize("overrides, kept, gathers", [
+    (("parallel.dp_replicate=2",), "all-reduce dp_replicate", "all-gather dp_shard"),
+    (("parallel.tp=2",), "tp tp", "all-gather dp")])
+def test_the_fsdp_call_floor_leaves_hsdps_all_reduce_and_tps_collectives_alone(tmp_path, overrides, kept, gathers):
+    """Under fsdp on 4 ranks, HSDP's all-reduce of the shards across replica groups and tensor
+    parallelism's collectives keep their price with a floor above theirs: only FSDP2's own
+    gathers and reduce-scatters are floored."""
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0",
+                                    "parallel.strategy=fsdp", *overrides])
+    base = dataclasses.replace(_base(), devices_per_node=4, gather_link=Link(1e9, 2e-4), scatter_link=Link(1e9, 2e-4))
+
+    def terms(hw):
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 4), True, None, hw)
+        return {t.name.split(" (")[0]: t.seconds for t in lp.time.terms}
+    plain, floored = terms(base), terms(dataclasses.replace(base, fsdp_call_latency=5e-3))
+    assert kept in plain and floored[kept] == plain[kept]
+    assert floored[gathers] > plain[gathers]

@@ -282,8 +282,8 @@ def fsdp_call_latency(gloo: float, fake: float, busy: float, gather_bandwidth: f
     the tiny GPT's forward + backward under FSDP2 on gloo (`gloo`, both ranks computing) less the
     same on the fake process group (`fake`, its host work alone, x `busy` for two computing ranks)
     less the bytes at gloo's gather and all-to-all rates (each rank sends half the parameters per
-    gather and per reduce-scatter), over its calls. Measured here: a ms or more a call, where a 4 KB
-    call right after another costs 0.4-0.6 ms: FSDP2 waits on calls it issued from its hooks, with
+    gather and per reduce-scatter), over its calls. Measured here: 0.7-1.3 ms a call, where a 4 KB
+    call right after another costs 0.15-1.0 ms: FSDP2 waits on calls it issued from its hooks, with
     little compute between them (planner/timing.py prices its calls at least this)."""
     model = engine_gpt(ENGINE_MODEL)
     half = model.num_params(exclude_position=False) * 4 / 2
@@ -312,6 +312,7 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     got = timer.rates()
     gap = sorted(timed(timer.work) for _ in range(5))[2]
     (latency, bandwidth, near), gather, scatter = got["all-reduce"], got["all-gather"], got["all-to-all"]
+    torch.set_num_threads(threads)  # the threads engines() times the same model with on the fake group
     sharded = fully_sharded(engine_gpt(ENGINE_MODEL), init_device_mesh("cpu", (2,)))
     gloo_fsdp = fsdp_step(sharded, engine_tokens(ENGINE_MODEL))
     # FSDP2's state holds gloo's work and its tensors: released while the interpreter is alive, else

@@ -135,18 +135,15 @@ def engines(threads: int) -> dict:
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     mesh = init_device_mesh("cpu", (2,))
 
-    def sharded(model: GPT) -> GPT:
-        return fully_sharded(model, mesh)
-    tokens = engine_tokens
-    small, wide, cp_wide = tokens(ENGINE_MODEL), tokens(ENGINE_WIDE), tokens(CP_WIDE)
+    small, wide, cp_wide = engine_tokens(ENGINE_MODEL), engine_tokens(ENGINE_WIDE), engine_tokens(CP_WIDE)
     models = {"plain": (engine_gpt(ENGINE_MODEL), small), "tp": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh), small),
               "sp": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh, sequence_parallel=True), small),
-              "fsdp": (sharded(engine_gpt(ENGINE_MODEL)), small),
-              "plain wide": (engine_gpt(ENGINE_WIDE), wide), "fsdp wide": (sharded(engine_gpt(ENGINE_WIDE)), wide),
+              "fsdp": (fully_sharded(engine_gpt(ENGINE_MODEL), mesh), small),
+              "plain wide": (engine_gpt(ENGINE_WIDE), wide), "fsdp wide": (fully_sharded(engine_gpt(ENGINE_WIDE), mesh), wide),
               # the same tokens and query-key pairs as a cp rank's (the zigzag split gives each rank
               # the same pairs: planner/timing.py attention_flops): half the sequences, twice as long
-              "plain cp": (engine_gpt(ENGINE_MODEL, 2 * ENGINE_MODEL[2]), tokens(ENGINE_MODEL, 2)),
-              "plain cp wide": (engine_gpt(CP_WIDE, 2 * CP_WIDE[2]), tokens(CP_WIDE, 2))}
+              "plain cp": (engine_gpt(ENGINE_MODEL, 2 * ENGINE_MODEL[2]), engine_tokens(ENGINE_MODEL, 2)),
+              "plain cp wide": (engine_gpt(CP_WIDE, 2 * CP_WIDE[2]), engine_tokens(CP_WIDE, 2))}
     for mode in CP_MODES:
         models[f"cp {mode}"] = (_context_parallel(ENGINE_MODEL, mode), small)
         models[f"cp {mode} wide"] = (_context_parallel(CP_WIDE, mode), cp_wide)
