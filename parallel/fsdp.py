@@ -117,30 +117,38 @@ class FSDPStrategy(Strategy):
     # ------------------------------------------------------------------ wrapping
 
     def wrap_data_parallel(self, module: nn.Module) -> nn.Module:
-        """fully_shard each transformer block of `module` (a GPT or one pipeline stage), then the
-        module itself for what is left (embeddings, ln_f, head)."""
+        """`module` (a GPT or one pipeline stage) under FSDP2 over the dp mesh, with this layout's
+        options (`fully_shard_gpt`)."""
         if not self.shards_parameters:
             return module
         # HSDP: a 2-D mesh, (Replicate, Shard(0)): reduce-scatter within a replica group, then
         # all-reduce the shards across the groups.
         dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else self.mesh[self.layout.grad_dim]
-        kwargs = dict(mesh=dp_mesh, reshard_after_forward=self.reshard_after_forward,
-                      mp_policy=self.mp_policy(), offload_policy=self.offload_policy())
-        for block in module.blocks.values():
-            fully_shard(block, **kwargs)
-        # The root gets the same reshard_after_forward, so it is gathered again in backward like
-        # every block: exactly ZeRO-3's 3K(n-1)/n. torch's default for a root (None) keeps it
-        # gathered instead, which would save one all-gather of the embeddings and head per
-        # micro-batch (their parameters are the last of forward and the first of backward); the
-        # planner and docs/layouts.md state the volume this code moves.
-        fully_shard(module, **kwargs)
-        if self.env.backend == "gloo":  # gloo's own reduce-scatter moves all-reduce volume
-            for m in [*module.blocks.values(), module]:
-                m.set_custom_reduce_scatter(RingReduceScatter())
-        return module
+        return fully_shard_gpt(module, ring_reduce_scatter=self.env.backend == "gloo", mesh=dp_mesh,
+                               reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy(),
+                               offload_policy=self.offload_policy())
 
     # clip_grad_norm_, full_grad_dict, state_dict/load_state_dict, full_model_state_dict and
     # resident_bytes come from the base class: they already handle DTensor parameters and
     # gradients (norm and full_tensor() reduce over the mesh, DCP's get_state_dict gives
     # plain-FQN DTensor state, resident bytes read each DTensor's local shard). fp16: the grad
     # scaler agrees on inf/nan over the dp group, dp x cp under cp (grads_sharded, parallel/scaler.py).
+
+
+def fully_shard_gpt(module: nn.Module, ring_reduce_scatter: bool, **kwargs) -> nn.Module:
+    """fully_shard (with `kwargs`) each transformer block of `module` (a GPT or one pipeline stage),
+    then the module itself for what is left (embeddings, ln_f, head); with `ring_reduce_scatter`
+    (gloo, whose own reduce-scatter moves all-reduce volume) every unit reduce-scatters with
+    parallel/collectives.py's ring. tools/calibrate_engines.py times the same wrapping."""
+    for block in module.blocks.values():
+        fully_shard(block, **kwargs)
+    # The root gets the same reshard_after_forward, so it is gathered again in backward like
+    # every block: exactly ZeRO-3's 3K(n-1)/n. torch's default for a root (None) keeps it
+    # gathered instead, which would save one all-gather of the embeddings and head per
+    # micro-batch (their parameters are the last of forward and the first of backward); the
+    # planner and docs/layouts.md state the volume this code moves.
+    fully_shard(module, **kwargs)
+    if ring_reduce_scatter:
+        for m in [*module.blocks.values(), module]:
+            m.set_custom_reduce_scatter(RingReduceScatter())
+    return module

@@ -30,12 +30,11 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model import GPT, GPTConfig, lm_loss
-from parallel.collectives import RingReduceScatter
 from parallel.cp import Ring, apply_context_parallel
+from parallel.fsdp import fully_shard_gpt
 from parallel.tp import apply_tensor_parallel
 
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
@@ -76,15 +75,10 @@ def engine_gpt(shape: tuple[int, int, int, int], positions: int | None = None) -
 
 
 def fully_sharded(model: GPT, mesh) -> GPT:
-    """`model` under FSDP2 over `mesh` as parallel/fsdp.py wraps it (every block, then the root,
-    each resharded after forward; on gloo the project's ring reduce-scatter)."""
-    for block in model.blocks.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    if dist.get_backend() == "gloo":
-        for unit in [*model.blocks.values(), model]:
-            unit.set_custom_reduce_scatter(RingReduceScatter())
-    return model
+    """`model` under FSDP2 over `mesh`, resharded after forward, by the product's own wrapping
+    (parallel/fsdp.py: every block, then the root; on gloo the project's ring reduce-scatter)."""
+    return fully_shard_gpt(model, ring_reduce_scatter=dist.get_backend() == "gloo", mesh=mesh,
+                           reshard_after_forward=True)
 
 
 def fsdp_calls(model: GPT) -> int:
