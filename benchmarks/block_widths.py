@@ -6,7 +6,7 @@ the matmul peak it reaches and what remains per activation element beyond its FL
 Per (width, positions, sequences): the best of 5 timed runs, its efficiency (3 x forward FLOPs, 24 h^2 +
 4 s h per token, over the CPU's fp32 peak, less the fixed per-block overhead of a 32-wide block on 16
 tokens), and the seconds per token x width left after pricing the FLOPs at 0.9 of the peak. The planner
-prices a block as FLOPs / (peak x efficiency) + tokens x width x elementwise + overhead (planner/timing.py);
+prices a block as FLOPs / (peak x efficiency) + tokens x width x elementwise + overhead (planner/compute.py);
 this shows why one efficiency cannot serve every width: the element-wise work grows as T h, the matmuls
 as T h^2.
 """

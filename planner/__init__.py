@@ -20,7 +20,8 @@ Where each part lives (docs/planner.md has the formulas and their measurement):
     alternatives.py every layout of a world size: check_layout, plan (ranked by predicted time)
     hardware.py     `--hardware NAME|FILE`: the devices, links and peaks a step time is predicted for
     local_hardware.py `--hardware local`: this machine's figures as tools/calibrate.py cached them
-    timing.py       one layout's step time: compute, recomputation, bubble, communication, optimizer
+    compute.py      one pipeline rank's compute, recomputation and split backward; a zero-bubble step's idle
+    timing.py       one layout's step time: compute, bubble, communication, optimizer
     advice.py       nothing fits: which knobs make what fit
     render.py       the text table and its legend
 """

@@ -191,18 +191,30 @@ def held_tensors(g: GPTConfig, lay: PlannedLayout) -> list[RankTensors]:
     return [RankTensors(tuple(local(t, owned) for t, owned in held)) for held in placed]
 
 
+def stage_tensors(g: GPTConfig, lay: PlannedLayout) -> list[RankTensors]:
+    """Per pipeline stage, the tensors it holds in their tensor-parallel shape (the last stage's
+    tied copy counted as its own): what a stage computes with, for the schedule's play."""
+    inv = parameter_inventory(g)
+    return [RankTensors(tuple(HeldTensor(t, tp_local_shape(t, lay.tp, lay.tp_vocab_parallel), True)
+                              for t, _ in _stage_specs(g, lay, inv, s, True)))
+            for s in range(lay.num_stages)]
+
+
 def _pp_rank_tensors(g: GPTConfig, lay: PlannedLayout, inv: list[ParamSpec], r: int) -> list[tuple[ParamSpec, bool]]:
-    counts, last = lay.stage_blocks, lay.num_stages - 1
-    starts = [sum(counts[:i]) for i in range(len(counts))]
     stages = lay.stages_of(r)
-    held = []
-    for s in stages:
-        blocks = range(starts[s], starts[s] + counts[s])
-        for t in inv:
-            if (t.where == "block" and t.block in blocks) or (t.where == "embed" and s == 0) \
-                    or (t.where == "head" and s == last):
-                held.append((t, True))
-        if s == last and g.tie_weights:
-            copy_of = ParamSpec("lm_head.weight", (g.vocab_size, g.n_embd), "vocab", "head")
-            held.append((copy_of, 0 not in stages))
+    return [held for s in stages for held in _stage_specs(g, lay, inv, s, 0 in stages)]
+
+
+def _stage_specs(g: GPTConfig, lay: PlannedLayout, inv: list[ParamSpec], s: int,
+                 holds_first: bool) -> list[tuple[ParamSpec, bool]]:
+    """Stage s's parameters, each with whether its rank's optimizer steps it (the tied weight's
+    last-stage copy is left out where the same rank, `holds_first`, steps the first)."""
+    counts, last = lay.stage_blocks, lay.num_stages - 1
+    start = sum(counts[:s])
+    blocks = range(start, start + counts[s])
+    held = [(t, True) for t in inv if (t.where == "block" and t.block in blocks) or (t.where == "embed" and s == 0)
+            or (t.where == "head" and s == last)]
+    if s == last and g.tie_weights:
+        copy_of = ParamSpec("lm_head.weight", (g.vocab_size, g.n_embd), "vocab", "head")
+        held.append((copy_of, not holds_first))
     return held

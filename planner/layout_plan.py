@@ -12,12 +12,13 @@ from config import Config
 from model import GPTConfig
 from parallel.options import Engine
 from planner.activations import ActivationModel, activation_model, rank_activation_bytes, transient_bytes
+from planner.compute import attention_flops, compute_dtype
 from planner.engines import DDPCosts, EngineCosts, ModelState, engine_costs
 from planner.hardware import Hardware
 from planner.inventory import ADAM_STATE_BYTES, PARAM_BYTES, RankTensors, held_tensors
 from planner.records import Collective, LayoutPlan, PlannedLayout, RankMemory
 from planner.schedule import bubble_fraction, inflight_per_stage
-from planner.timing import attention_flops, compute_dtype, step_time
+from planner.timing import step_time
 from planner.traffic import cp_collectives, pp_collectives, tp_collective
 from planner.units import numel
 

@@ -171,7 +171,7 @@ class LayoutPlan:
     bubble: float  # (p-1)/(m+p-1) for gpipe/1f1b; interleaved: (p-1)/(v*m+p-1)
     time: StepTime | None = None  # None without a hardware description
     aliases: list[str] = field(default_factory=list)  # other names of the same layout (zero-3 = fsdp)
-    # cp > 1: forward attention FLOPs per step of each cp rank (planner/timing.py attention_flops)
+    # cp > 1: forward attention FLOPs per step of each cp rank (planner/compute.py attention_flops)
     attention_flops_per_cp_rank: list[int] = field(default_factory=list)
 
 

@@ -10,8 +10,8 @@ import re
 import sys
 import textwrap
 
+from planner.compute import causal_pairs
 from planner.records import LayoutPlan, Plan
-from planner.timing import causal_pairs
 from planner.units import fmt_bytes
 
 LEGEND = """\
@@ -140,7 +140,7 @@ def built_line(lp: LayoutPlan) -> str:
 
 def cp_line(lp: LayoutPlan, block_size: int) -> str:
     """The first row's context parallelism: what its attention sends, and each cp rank's attention
-    work (planner/timing.py attention_flops) beside what a plain split of the sequence would give."""
+    work (planner/compute.py attention_flops) beside what a plain split of the sequence would give."""
     cp = next(c for c in lp.collectives if c.kind == "cp")
     work, n = lp.attention_flops_per_cp_rank, lp.layout.cp
     plain = causal_pairs((n - 1) * block_size // n, block_size // n) / causal_pairs(0, block_size // n)

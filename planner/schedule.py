@@ -6,15 +6,19 @@ backward before each forward); the interleaved and zero-bubble schedules are rep
 own action order (`torch.distributed.pipelining.schedules`, private API, torch 2.13). Bubble:
 (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v m+p-1) interleaved, and for zero-bubble torch's action
 lists of every rank played out with F = I = W (tests/test_planner.py checks that the same play of
-the interleaved lists gives the interleaved formula).
+the interleaved lists gives the interleaved formula); the step time plays them with each stage's
+own costs (`zero_bubble_span`, priced by planner/timing.py).
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 from torch.distributed.pipelining import schedules
 
 from planner.records import PlannedLayout
+
+_KINDS = schedules._ComputationType  # private, torch 2.13: F, I, W and full B
 
 
 def inflight_per_stage(lay: PlannedLayout) -> list[dict[int, int]]:
@@ -98,15 +102,22 @@ def _zero_bubble(pp: int, microbatches: int, stages_per_rank: int) -> float:
 
 
 def simulated_bubble(per_rank: list[list], stages: int) -> float:
-    """Plays the ranks' action lists: each rank runs its actions in order, an action starts when
-    its rank is free and what it needs is done (a forward: the previous stage's forward of that
-    micro-batch; an input or full backward: the next stage's); returns 1 - busy / span averaged
-    over ranks. Communication is free here (the planner's collective terms cost it)."""
-    kinds = schedules._ComputationType
-    cost = {kinds.FORWARD: 1.0, kinds.BACKWARD_INPUT: 1.0, kinds.BACKWARD_WEIGHT: 1.0, kinds.FULL_BACKWARD: 2.0}
-    backward = (kinds.FULL_BACKWARD, kinds.BACKWARD_INPUT)
+    """The idle fraction of the ranks' action lists played out with unit costs (a forward, an
+    input gradient and a weight gradient one unit each, a full backward two): 1 - busy / span
+    averaged over ranks."""
+    span, busy = played(per_rank, stages, lambda stage, kind: 2.0 if kind == _KINDS.FULL_BACKWARD else 1.0)
+    return sum(1 - b / span for b in busy) / len(per_rank)
+
+
+def played(per_rank: list[list], stages: int, cost: Callable[[int, object], float]) -> tuple[float, list[float]]:
+    """(span, each rank's busy time) of the ranks' action lists played out: each rank runs its
+    actions in order, an action starts when its rank is free and what it needs is done (a forward:
+    the previous stage's forward of that micro-batch; an input or full backward: the next
+    stage's), and lasts cost(stage, kind). Communication is free here (the planner's collective
+    terms cost it)."""
+    backward = (_KINDS.FULL_BACKWARD, _KINDS.BACKWARD_INPUT)
     done: dict[tuple[int, int, str], float] = {}  # (stage, micro-batch, "F" or "B") -> end time
-    free, next_action = [0.0] * len(per_rank), [0] * len(per_rank)
+    free, busy, next_action = [0.0] * len(per_rank), [0.0] * len(per_rank), [0] * len(per_rank)
     moved = True
     while moved:
         moved = False
@@ -114,16 +125,37 @@ def simulated_bubble(per_rank: list[list], stages: int) -> float:
             while next_action[r] < len(actions):
                 a = actions[next_action[r]]
                 s, i, kind = a.stage_index, a.microbatch_index, a.computation_type
-                need = ((s - 1, i, "F") if kind == kinds.FORWARD and s > 0 else
+                need = ((s - 1, i, "F") if kind == _KINDS.FORWARD and s > 0 else
                         (s + 1, i, "B") if kind in backward and s < stages - 1 else None)
                 if need is not None and need not in done:
                     break  # wait for another rank
-                free[r] = max(free[r], done[need] if need else 0.0) + cost[kind]
-                if kind != kinds.BACKWARD_WEIGHT:  # nothing waits for a weight gradient
+                seconds = cost(s, kind)
+                free[r] = max(free[r], done[need] if need else 0.0) + seconds
+                busy[r] += seconds
+                if kind != _KINDS.BACKWARD_WEIGHT:  # nothing waits for a weight gradient
                     done[(s, i, "B" if kind in backward else "F")] = free[r]
                 next_action[r] += 1
                 moved = True
     if any(n < len(actions) for n, actions in zip(next_action, per_rank)):
         raise RuntimeError("the pipeline schedule's action lists deadlock")  # torch's lists never do
-    span = max(free)
-    return sum(1 - sum(cost[a.computation_type] for a in actions) / span for actions in per_rank) / len(per_rank)
+    return max(free), busy
+
+
+def zero_bubble_span(lay: PlannedLayout, forward: list[float], backward: list[float],
+                     split: list[float]) -> tuple[float, list[float]]:
+    """(span, each rank's busy seconds) of a zero-bubble step: torch's action lists played out with
+    each stage's own costs, its forward, backward and split-backward extra seconds per micro-batch.
+    An input half and a weight half each cost half the backward plus half the extra, except on the
+    first stage: torch skips its input half (nothing before it needs a gradient) and runs its
+    whole backward, unsplit, as the weight half (torch/distributed/pipelining/stage.py,
+    backward_one_chunk)."""
+    def cost(stage: int, kind) -> float:
+        if kind == _KINDS.FORWARD:
+            return forward[stage]
+        if kind == _KINDS.FULL_BACKWARD:
+            return backward[stage]
+        if stage == 0:
+            return 0.0 if kind == _KINDS.BACKWARD_INPUT else backward[0]
+        return (backward[stage] + split[stage]) / 2
+    return played([rank_actions("zero_bubble", lay.pp, lay.microbatches, lay.stages_per_rank, r)
+                   for r in range(lay.pp)], lay.num_stages, cost)

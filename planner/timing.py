@@ -2,21 +2,10 @@
 
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
-    compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
-                 + copies + step_overhead + split + cp) x busy   forward + backward (2x forward)
-    w         = h (h / t with sequence parallelism, h (1 + 1/t) / 2 with plain tp): the activation
-                elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
-    busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
-    overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
-                (+ fsdp_overhead under FSDP2)     fixed host work
-    copies    = fsdp_copy x its parameter elements x M under FSDP2: the copies in and out of its buffers
-    recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M + cp) / 3   activation checkpointing
-    F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
-    cp        = blocks x (cp_<mode>_overhead x M + T x h / t x cp_<mode>_elementwise) (x (cp - 1) for the
-                ring)   context parallelism's attention beyond one fused attention over the same pairs
-    split     = blocks x (split_backward_overhead x M + T x w x split_backward_elementwise)   zero-bubble
-                schedules only: torch's input and weight halves of a backward cost more than one full backward
-    bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved, zero-bubble played out (planner/schedule.py)
+    compute   = one rank's forward and backward, recomputation, split backward: planner/compute.py
+    bubble    = max compute x b / (1 - b)    b = (p-1)/(m+p-1) gpipe/1f1b, (p-1)/(vm+p-1) interleaved;
+                zero-bubble: torch's action lists played out with each stage's own forward, backward and
+                split costs, the span less the busiest rank's work (planner/schedule.py zero_bubble_span)
     optimizer = 32 bytes x parameters it steps / memory bandwidth    AdamW reads p, g, m, v and writes p, m, v
                 (+ dtensor_optimizer_overhead x its parameter tensors under FSDP2 or tp: the fused kernel on
                  DTensors, one call per kind of parameter under tp)
@@ -64,52 +53,19 @@ import math
 
 from model import GPTConfig
 from parallel.options import Engine
+from planner.compute import (
+    block_overhead,
+    fsdp_sharded,
+    rank_compute,
+    splits_backward,
+    zero_bubble_idle,
+)
 from planner.hardware import Hardware, Link
 from planner.inventory import RankTensors
 from planner.records import Collective, PlannedLayout, StepTime, TimeTerm
 from planner.schedule import bubble_fraction
-from planner.units import ceil_div
 
 OPTIMIZER_BYTES = 32  # AdamW per element: read p, g, m, v (16) and write p, m, v (12), + the clip norm's read
-
-
-def compute_dtype(precision: str, fsdp_mixed: str) -> str:
-    """The dtype the matmuls run in: autocast's, else FSDP2 mixed_precision's parameter dtype, else fp32."""
-    return precision if precision != "fp32" else (fsdp_mixed if fsdp_mixed != "none" else "fp32")
-
-
-def forward_flops_per_token(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool) -> tuple[float, float]:
-    """(all of this rank's forward FLOPs per token, those of its blocks): 2 per matmul weight element,
-    4 s h / t per block of attention scores and values (PaLM's 12 L h s per token is 3x this),
-    the LM head 2 V h (V / t with a vocabulary-parallel head)."""
-    weights = sum(t.elems for t in held if t.spec.where == "block" and len(t.shape) == 2)
-    blocks = 2 * weights + held.blocks * 4 * g.block_size * g.n_embd / lay.tp
-    head = 2 * ceil_div(g.vocab_size, lay.tp if lay.tp_vocab_parallel else 1) * g.n_embd if last else 0
-    return blocks + head, blocks
-
-
-def causal_pairs(first: int, count: int) -> int:
-    """(query, visible key) pairs of `count` consecutive query positions from `first` under a
-    causal mask: query p sees p+1 keys, sum = count x first + count (count+1) / 2."""
-    return count * first + count * (count + 1) // 2
-
-
-def attention_flops(g: GPTConfig, lay: PlannedLayout, cp_rank: int, zigzag: bool = True) -> int:
-    """Causal attention FLOPs of one cp rank's forward per optimizer step: 4 h/tp per (query,
-    visible key) pair (q.k and p.v, 2 h each, over this rank's heads), x b x m x the layers of
-    pipeline rank 0's stages (all of them without pp). Under
-    the zigzag split rank r holds chunks r and 2n-1-r of c = s/2n positions (parallel/cp.py
-    local_positions): (2n-1) c^2 + c(c+1) pairs whatever r, so the ranks' work is equal; a plain
-    split into n pieces (zigzag=False) gives the last rank about 2n-1 times the first's. The
-    kernels compute whole c x c blocks, the diagonal ones masked: equal within one block."""
-    n = lay.cp
-    if zigzag:
-        c = g.block_size // (2 * n)
-        pairs = causal_pairs(cp_rank * c, c) + causal_pairs((2 * n - 1 - cp_rank) * c, c)
-    else:
-        pairs = causal_pairs(cp_rank * g.block_size // n, g.block_size // n)
-    layers = sum(lay.shape.stage_blocks[s] for s in lay.stages_of(0))
-    return 4 * (g.n_embd // lay.tp) * pairs * lay.micro_batch_size * lay.microbatches * layers
 
 
 def model_flops_per_token(g: GPTConfig) -> float:
@@ -215,82 +171,25 @@ def norm_all_reduces(lay: PlannedLayout) -> list[tuple[str, int, int]]:
     return out
 
 
-def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool, hw: Hardware,
-                 dtype: str) -> tuple[float, float]:
-    """(forward + backward seconds, recomputation seconds) of one pp rank's step."""
-    tokens = lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp  # cp: this rank's tokens
-    rate = hw.peak(dtype) * hw.compute_efficiency
-    fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
-    overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
-    # FSDP2's copies in and out of its buffers, per micro-batch (first order: the gradients' chunk-cat
-    # runs once a step where micro-batches accumulate unsynchronised); recomputation copies nothing
-    copies = hw.fsdp_copy * held.elems * lay.microbatches if fsdp_sharded(lay) else 0.0
-    elements = tokens * held.blocks * activation_width(g, lay)  # activation elements through the blocks
-    elementwise = elements * hw.elementwise
-    # zero-bubble: torch's input and weight halves of a backward cost more than one full backward
-    split = (held.blocks * lay.microbatches * hw.split_backward_overhead + elements * hw.split_backward_elementwise
-             if splits_backward(lay) else 0.0)
-    cp = context_parallel_extra(g, lay, held, hw, tokens)
-    compute = tokens * 3 * fwd / rate + elementwise + overhead + copies + hw.step_overhead + split + cp
-    recompute = (tokens * fwd_blocks / rate + (elementwise + overhead + cp) / 3) if lay.activation_checkpointing else 0.0
-    busy = hw.busy_node_slowdown if lay.world > 1 else 1.0  # every device of the node computes
-    return compute * busy, recompute * busy
-
-
-def context_parallel_extra(g: GPTConfig, lay: PlannedLayout, held: RankTensors, hw: Hardware, tokens: int) -> float:
-    """What context parallelism's attention costs one rank beyond one fused attention over the same
-    pairs (its blocks of the kernel, the merges, the chunks' slicing): per block per micro-batch the
-    hardware's fixed cp_<mode>_overhead, and cp_<mode>_elementwise per activation element of its
-    heads (tokens x width / tp per block), the ring's x (cp - 1)."""
-    if lay.cp == 1:
-        return 0.0
-    fixed, per_element = {"ring": (hw.cp_ring_overhead, hw.cp_ring_elementwise),
-                          "allgather": (hw.cp_allgather_overhead, hw.cp_allgather_elementwise)}[lay.cp_mode]
-    # measured at cp 2 (tools/calibrate_engines.py); the ring's kernel blocks, merges and shifts per
-    # rank grow with cp - 1, allgather's blocks stay at most 4 a rank (first order, not measured beyond 2)
-    grows = lay.cp - 1 if lay.cp_mode == "ring" else 1
-    return grows * held.blocks * (lay.microbatches * fixed + tokens * g.n_embd / lay.tp * per_element)
-
-
-def splits_backward(lay: PlannedLayout) -> bool:
-    """Does the schedule run each backward as torch's input half and weight half (a walk of the
-    autograd graph for the parameter groups, then one autograd call per group)? The zero-bubble
-    ones; their cost beyond a full backward is the hardware's split_backward_* (tools/calibrate.py
-    split_rates)."""
-    return lay.pp > 1 and lay.pp_schedule == "zero_bubble"
-
-
-def activation_width(g: GPTConfig, lay: PlannedLayout) -> float:
-    """The activation elements per token one rank's block works through element-wise (the
-    hardware's `elementwise` seconds each): the width h, h / t under sequence parallelism (every
-    activation split over tp); plain tp splits attention's and the MLP's (half of it, first
-    order) and repeats the LayerNorms and residual adds on every rank: h (1 + 1/t) / 2."""
-    h, t = g.n_embd, lay.tp
-    return h / t if lay.sequence_parallel else h * (1 + 1 / t) / 2
-
-
-def fsdp_sharded(lay: PlannedLayout) -> bool:
-    """Are this layout's parameters FSDP2-sharded (fsdp, zero-3, HSDP over more than one rank)?"""
-    return lay.strategy.value in ("fsdp", "zero-3") and lay.grad_ranks > 1
-
-
-def block_overhead(lay: PlannedLayout, hw: Hardware) -> float:
-    """Fixed seconds per block per micro-batch: every block's, plus the engines' host work where a
-    block is tensor-parallel (DTensor; more with sequence parallelism's redistributions) or
-    FSDP2-sharded (fsdp, zero-3, HSDP)."""
-    tp = (hw.tp_overhead + (hw.sp_overhead if lay.sequence_parallel else 0.0)) if lay.tp > 1 else 0.0
-    return hw.block_overhead + tp + (hw.fsdp_overhead if fsdp_sharded(lay) else 0.0)
-
-
 def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic: list[list[Collective]],
               optimizer_elems: list[int], hw: Hardware, dtype: str, batch_size: int) -> StepTime:
     """The predicted step (the module's doc): slowest compute + bubble + worst exposed rest."""
     last, world = lay.num_stages - 1, lay.world
-    compute = [rank_compute(g, lay, h, lay.pp == 1 or last in lay.stages_of(r), hw, dtype)
+    # torch runs the first stage's backward whole under the zero-bubble schedules (nothing before it
+    # needs an input gradient): its blocks pay no split
+    compute = [rank_compute(g, lay, h, lay.pp == 1 or last in lay.stages_of(r), hw, dtype,
+                            unsplit=lay.stage_blocks[0] if lay.pp > 1 and 0 in lay.stages_of(r) else 0)
                for r, h in enumerate(held)]
     slow = max(range(len(compute)), key=lambda r: sum(compute[r]))
     work = sum(compute[slow])
     b = bubble_fraction(lay)
+    if splits_backward(lay):  # the schedule played with the stages' own costs, not equal ones
+        idle = zero_bubble_idle(g, lay, hw, dtype)
+        bubble = TimeTerm("bubble", idle, idle, f"torch's {lay.pp_schedule} action lists played with each stage's "
+                          f"forward, backward and split costs (b = {b:.3f} with equal ones)")
+    else:
+        bubble = TimeTerm("bubble", work * b / (1 - b), work * b / (1 - b),
+                          f"compute x b/(1-b), b = {b:.3f} ({lay.pp_schedule})")
     rests = [_rank_rest(lay, traffic[r], optimizer_elems[r], sum(t.in_optimizer for t in held[r]), compute[r], hw)
              for r in range(len(held))]
     rest = max(rests, key=lambda terms: sum(t.exposed for t in terms))
@@ -307,8 +206,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
     if lay.activation_checkpointing:
         terms.append(TimeTerm("recompute", compute[slow][1], compute[slow][1], "one more forward of every block"))
     if b:
-        terms.append(TimeTerm("bubble", work * b / (1 - b), work * b / (1 - b),
-                              f"compute x b/(1-b), b = {b:.3f} ({lay.pp_schedule})"))
+        terms.append(bubble)
     terms += rest
     share = oversubscription(lay, hw)
     if share > 1:

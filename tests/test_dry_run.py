@@ -175,7 +175,7 @@ def test_the_plan_prices_cp_bytes_by_parallel_cp_s_formula_and_balances_attentio
     its ring sends: tests/test_context_parallel.py), attention work equal on every cp rank, and
     activations per rank falling with cp."""
     from parallel.cp import bytes_sent, local_positions
-    from planner.timing import attention_flops
+    from planner.compute import attention_flops
 
     def planned(*overrides, world=4):
         cfg = load_config(None, [*CP, "model.block_size=64", "trainer.batch_size=8", *overrides])

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from model import GPT
 from planner import local_hardware
 from planner.auto import resolved_config
 from planner.hardware import Link, load_hardware
+from planner.schedule import zero_bubble_span
 from planner.timing import group_link
 from testing.local import REPO, TINY, python
 from tools.calibrate import measure_local
@@ -497,6 +499,61 @@ def test_zero_bubble_prices_torchs_split_backward(tmp_path, overrides, stage_blo
         lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
         return next(t.seconds for t in lp.time.terms if t.name == "compute")
     assert compute(priced) - compute(base) == pytest.approx(stage_blocks * (4 * 1e-3 + 8 * 16 * 32 * 1e-9))
+
+
+def _pp_terms(tmp_path, hw, *overrides):
+    """The predicted step's terms by name: TINY (4 blocks of 32, batch 8 x block 16) on 2 pp ranks."""
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0",
+                                    "parallel.strategy=none", "parallel.pp=2", *overrides])
+    lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+    return {t.name: t.seconds for t in lp.time.terms}
+
+
+def _block_bound(**figures):
+    """h100-sxm, its devices on one node, where each block costs 1 ms a micro-batch and little else
+    does (TINY's FLOPs take nanoseconds there)."""
+    return dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False, block_overhead=1e-3,
+                               **figures)
+
+
+def test_the_first_stage_pays_no_split_backward(tmp_path):
+    """torch's zero-bubble schedules skip the first stage's input half (no stage before it needs
+    an input gradient) and run its whole backward as the weight half
+    (torch/distributed/pipelining/stage.py backward_one_chunk): its blocks cost what they cost
+    under 1F1B. With stages of 3 and 1 blocks (parallel.pp_split) rank 0 is the slowest at 12 ms
+    and stays so at 12 ms when the split is priced at 1 ms a block per micro-batch: rank 1's one
+    block pays it (4 + 4 ms). Charging the first stage too, rank 0 would reach 24 ms."""
+    split = ("parallel.pp_schedule=zero_bubble", "parallel.pp_split=3,1", "parallel.microbatches=4")
+    free = _pp_terms(tmp_path, _block_bound(), *split)["compute"]
+    priced = _pp_terms(tmp_path, _block_bound(split_backward_overhead=1e-3), *split)["compute"]
+    assert free == pytest.approx(12e-3, rel=1e-3) and priced == pytest.approx(free, rel=1e-6)
+
+
+def test_the_zero_bubble_bubble_is_played_with_each_stages_own_costs(tmp_path):
+    """Stages of 1 and 3 blocks (1 ms a block per micro-batch: stage 0's forward 1/3 ms and
+    backward 2/3, stage 1's 1 and 2 ms), 2 micro-batches. torch's lists, rank 0: F0 F1 I0 W0 I1
+    W1; rank 1: F0 I0 F1 I1 W0 W1. Played: rank 1 starts at 1/3 ms (rank 0's first forward) and
+    is busy from then to the end (6 ms: 2 x (1 + 1 + 1)), rank 0's first-stage input halves are
+    empty and never hold it up: the busiest rank waits 1/3 ms. Played with equal costs instead,
+    the bubble is 1/7 of the step, 1 ms on the 6 ms of compute."""
+    terms = _pp_terms(tmp_path, _block_bound(), "parallel.pp_schedule=zero_bubble", "parallel.pp_split=1,3",
+                      "parallel.microbatches=2")
+    assert terms["compute"] == pytest.approx(6e-3, rel=1e-3)
+    assert terms["bubble"] == pytest.approx(1e-3 / 3, rel=1e-3)
+
+
+def test_zero_bubble_span_plays_the_first_stages_backward_whole():
+    """The play itself, the costs given: a heavy first stage (forward 3, backward 6) before a light
+    last one (1 and 2), 2 micro-batches. Rank 1: F0 at 3-4, I0 4-5, F1 6-7, I1 7-8, W0 8-9, W1
+    9-10; rank 0: F0 0-3, F1 3-6, its empty input halves, then each weight half the whole backward
+    of 6: W0 6-12, W1 12-18; the split extra given to the first stage is never paid. Then the
+    reverse, a light first stage and a heavy last one whose halves carry a split of 2."""
+    lay = SimpleNamespace(pp=2, microbatches=2, stages_per_rank=1, num_stages=2)
+    span, busy = zero_bubble_span(lay, forward=[3.0, 1.0], backward=[6.0, 2.0], split=[5.0, 0.0])
+    assert (span, busy) == (18.0, [18.0, 6.0])
+    span, busy = zero_bubble_span(lay, forward=[1.0, 3.0], backward=[2.0, 6.0], split=[0.0, 2.0])
+    # rank 1: F0 1-4, I0 4-8, F1 8-11, I1 11-15, W0 15-19, W1 19-23 (each half (6 + 2) / 2)
+    assert (span, busy) == (23.0, [6.0, 22.0])
 
 
 def test_split_backward_costs_more_than_a_full_one():

@@ -18,7 +18,7 @@ is closed.
   wide one. Its ring here is `LocalRing`, whose peer's blocks are this rank's own (the fake
   group's receive would leave them unwritten, and its reduce-scatter refuses the ring's shapes):
   the same shapes and kernels, the bytes' time left to the collectives' own figures. Measured at
-  cp 2; planner/timing.py scales the ring's by cp - 1;
+  cp 2; planner/compute.py scales the ring's by cp - 1;
 - plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds;
 - fsdp_step: the FSDP2 tiny GPT's forward + backward here, where its collectives return at once:
   tools/calibrate.py subtracts it from the same on gloo (fsdp_call_latency).
@@ -135,7 +135,7 @@ def engines(threads: int) -> dict:
               "fsdp": (fully_sharded(engine_gpt(ENGINE_MODEL), mesh), small),
               "plain wide": (engine_gpt(ENGINE_WIDE), wide), "fsdp wide": (fully_sharded(engine_gpt(ENGINE_WIDE), mesh), wide),
               # the same tokens and query-key pairs as a cp rank's (the zigzag split gives each rank
-              # the same pairs: planner/timing.py attention_flops): half the sequences, twice as long
+              # the same pairs: planner/compute.py attention_flops): half the sequences, twice as long
               "plain cp": (engine_gpt(ENGINE_MODEL, 2 * ENGINE_MODEL[2]), engine_tokens(ENGINE_MODEL, 2)),
               "plain cp wide": (engine_gpt(CP_WIDE, 2 * CP_WIDE[2]), engine_tokens(CP_WIDE, 2))}
     for mode in CP_MODES:
