@@ -556,6 +556,36 @@ def test_zero_bubble_span_plays_the_first_stages_backward_whole():
     assert (span, busy) == (23.0, [6.0, 22.0])
 
 
+def test_torch_runs_the_first_stages_backward_whole_under_zero_bubble(tmp_path):
+    """The premise of the two tests above, read from torch's own run: under ScheduleZBVZeroBubble
+    (one process, both stages of the V on it) the first stage's input half computes nothing and
+    its weight half runs the whole backward ("full"); the other stage runs an input half, then a
+    weight half. A torch that split the first stage too would make the planner's first stage
+    too cheap."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    from model import Block, GPTConfig
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cfg = GPTConfig(block_size=8, n_embd=16, n_head=2, dropout=0.0)
+        stages = [PipelineStage(Block(cfg), i, 2, torch.device("cpu"), group=dist.group.WORLD) for i in range(2)]
+        calls = []
+        for stage in stages:
+            inner = stage.backward_maybe_with_nosync
+
+            def record(backward_type, *args, _inner=inner, _stage=stage.stage_index, **kwargs):
+                calls.append((_stage, backward_type))
+                return _inner(backward_type, *args, **kwargs)
+            stage.backward_maybe_with_nosync = record
+        schedule = ScheduleZBVZeroBubble(stages, 2, loss_fn=lambda out, target: (out * target).mean())
+        schedule.step(torch.randn(4, 8, 16), target=torch.randn(4, 8, 16))
+    finally:
+        dist.destroy_process_group()
+    assert sorted(set(calls)) == [(0, "full"), (1, "input"), (1, "weight")]
+    assert calls.count((0, "full")) == 2 and calls.count((1, "input")) == calls.count((1, "weight")) == 2
+
+
 def test_split_backward_costs_more_than_a_full_one():
     """The premise of the term above, measured: torch's split backward (stage_backward_input, then
     stage_backward_weight) of a 2-block 64-wide stage takes longer than one full backward (here it
