@@ -195,8 +195,9 @@ def stage_tensors(g: GPTConfig, lay: PlannedLayout) -> list[RankTensors]:
     """Per pipeline stage, the tensors it holds in their tensor-parallel shape (the last stage's
     tied copy counted as its own): what a stage computes with, for the schedule's play."""
     inv = parameter_inventory(g)
+    # every tensor computes, whichever optimizer steps it: the optimizer flag is left True
     return [RankTensors(tuple(HeldTensor(t, tp_local_shape(t, lay.tp, lay.tp_vocab_parallel), True)
-                              for t, _ in _stage_specs(g, lay, inv, s, True)))
+                              for t, _ in _stage_specs(g, lay, inv, s, holds_first=False)))
             for s in range(lay.num_stages)]
 
 

@@ -7,7 +7,7 @@ own action order (`torch.distributed.pipelining.schedules`, private API, torch 2
 (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v m+p-1) interleaved, and for zero-bubble torch's action
 lists of every rank played out with F = I = W (tests/test_planner.py checks that the same play of
 the interleaved lists gives the interleaved formula); the step time plays them with each stage's
-own costs (`zero_bubble_span`, priced by planner/timing.py).
+own costs (`zero_bubble_span`, priced by planner/compute.py `zero_bubble_idle`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The time model's terms that depend on where a rank's work falls (planner/timing.py): a
-collective's latency by the compute since the rank's previous call (step_latency), and context
-parallelism's attention beyond one fused attention (context_parallel_extra); both figures read
+"""The time model's terms that depend on where a rank's work falls: a collective's latency by the
+compute since the rank's previous call (planner/timing.py step_latency), and context
+parallelism's attention beyond one fused attention (planner/compute.py context_parallel_extra); both figures read
 from a hardware file, and a bad one refused in one line."""
 from __future__ import annotations
 
