@@ -14,6 +14,7 @@ calibration's hot one (planner/compute.py), whatever the schedule holds in fligh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -21,6 +22,7 @@ import _repo  # noqa: F401  (the repository on sys.path)
 import torch
 
 from model import Block, GPTConfig
+from observe.host_memory import return_large_frees, reuse_step_memory
 from observe.perf import cpu_line
 
 # width, positions, sequences per micro-batch, blocks: the grid's shapes B (8 x 64) and F (8 x 256)
@@ -57,16 +59,24 @@ def per_block_seconds(width: int, positions: int, sequences: int, blocks: int, r
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=25, help="timed rounds, the cases taking turns")
+    ap.add_argument("--host-memory", choices=("lean", "reuse", "glibc"), default="lean",
+                    help="glibc's malloc as main.py sets it (observe/host_memory.py): lean (the "
+                         "default of trainer.host_memory), reuse (trainer.host_memory=reuse), or "
+                         "glibc's own defaults")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.host_memory != "glibc":
+        return_large_frees()  # as main.py starts
     print(cpu_line())
-    print(f"{MICROBATCHES} micro-batches; ms per block per micro-batch (x the block alone)")
-    for w, s, b, n in CASES:
-        got = per_block_seconds(w, s, b, n, args.rounds)
-        alone = got["alone"]
-        cells = ", ".join(f"{name} {sec * 1e3:.3f} ({sec / alone:.2f}x)" for name, sec in got.items())
-        print(f"width {w:3d}, {b} x {s} tokens, {n} blocks: {cells}; in flight / one at a time "
-              f"{got['in flight'] / got['one at a time']:.2f}x", flush=True)
+    print(f"host memory: {args.host_memory}; {MICROBATCHES} micro-batches; ms per block per micro-batch "
+          f"(x the block alone)")
+    with reuse_step_memory(True) if args.host_memory == "reuse" else contextlib.nullcontext():
+        for w, s, b, n in CASES:
+            got = per_block_seconds(w, s, b, n, args.rounds)
+            alone = got["alone"]
+            cells = ", ".join(f"{name} {sec * 1e3:.3f} ({sec / alone:.2f}x)" for name, sec in got.items())
+            print(f"width {w:3d}, {b} x {s} tokens, {n} blocks: {cells}; in flight / one at a time "
+                  f"{got['in flight'] / got['one at a time']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

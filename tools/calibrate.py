@@ -25,10 +25,10 @@
 - split backward: torch's zero-bubble schedules split each stage's backward into an input half
   and a weight half (torch.distributed.pipelining's stage_backward_input and
   stage_backward_weight: a walk of the autograd graph for the parameter groups, then one
-  autograd call per group); the two halves cost more than one full backward, measured on a
-  2-block stage at two sizes (split_rates): a fixed cost per block per micro-batch and one per
-  activation element (0.45-0.62 ms + 18-26 ns here: about 0.9 ms a block at 64 wide x 4 x 64 tokens,
-  3.1 ms at 256 wide x 4 x 128, on full backwards of 1.2 and 22 ms a block);
+  autograd call per group); the two halves cost more than one full backward, measured through
+  torch's own schedules on a 2-block stage at two sizes (measure_split, split_rates): a fixed
+  cost per block per micro-batch and one per activation element (about 0.7 ms a block at 64
+  wide x 4 x 64 tokens, 1.4 ms at 256 wide x 4 x 128, on full backwards of 1.2 and 22 ms a block);
 - busy-node slowdown: a block's forward + backward while both calibration processes compute, over
   the same alone (the cores share the memory system: 1.016 calibrated on the 2-core machine, 1.02-1.03
   by hand on 256-wide blocks).
@@ -47,13 +47,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model import Block, GPTConfig
 from observe.perf import cpu_peak
@@ -73,6 +73,7 @@ EFFICIENCY_BLOCK = (256, 128, 8)  # width, positions, sequences of the block tha
 NARROW_WIDTH = 64  # the second block (same positions and sequences) that separates the element-wise work
 SPLIT_STAGES = ((64, 64, 4), (256, 128, 4))  # width, positions, sequences of the stages timed by split_rates
 SPLIT_BLOCKS = 2  # blocks in each of those stages
+SPLIT_MICROBATCHES = 4  # micro-batches of the schedules that time them
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
 LINK_KINDS, LINK_ROUNDS = ("all-reduce", "all-gather", "all-to-all"), 4
 GAP_MATMULS = 20  # 256 x 256 matmuls before each far call of the link (about 6 ms on one core: latency_gap records it)
@@ -141,27 +142,34 @@ def split_rates() -> tuple[float, float]:
 
 
 def measure_split(width: int, positions: int, sequences: int, rounds: int = 9) -> float:
-    """Seconds per block of a SPLIT_BLOCKS-block stage's split backward (stage_backward_input, then
-    stage_backward_weight, as torch's zero-bubble schedules run them) beyond its full backward: the
-    median over interleaved rounds of each (never below 0)."""
+    """Seconds per block per micro-batch that torch's split backward costs beyond a full one, as its
+    zero-bubble schedules run it: ScheduleZBVZeroBubble against ScheduleInterleaved1F1B on two
+    stages of SPLIT_BLOCKS blocks each, both on this process (a one-rank fake process group: no
+    message leaves it), SPLIT_MICROBATCHES micro-batches of `sequences`. Only the second stage
+    splits (torch runs the first stage's backward whole), so the difference of the two steps is
+    its extra; the median over interleaved rounds (never below 0). Timed through the schedules,
+    not by calling torch's stage_backward_input and stage_backward_weight back to back: in the
+    schedule the weight half runs after other actions, and costs more (0.69 against 0.54 ms a
+    block at 64 wide x 4 x 64 tokens, 2026-11-29)."""
+    if dist.is_initialized():
+        raise RuntimeError("measure_split makes its own one-rank process group: call it where none exists")
     cfg = GPTConfig(block_size=positions, n_embd=width, n_head=4, dropout=0.0)
-    stage = torch.nn.Sequential(*[Block(cfg) for _ in range(SPLIT_BLOCKS)])
-    grad = torch.randn(sequences, positions, width)
-
-    def backward(split: bool) -> float:
-        x = torch.randn(sequences, positions, width, requires_grad=True)
-        out = stage(x)
-        t0 = time.perf_counter()
-        if split:
-            _, groups = stage_backward_input([out], [grad], [x], stage.parameters())
-            stage_backward_weight(stage.parameters(), groups)
-        else:
-            torch.autograd.backward(out, grad)
-        return time.perf_counter() - t0
-    for _ in range(2):  # warm-up
-        backward(False), backward(True)
-    extra = sorted(backward(True) - backward(False) for _ in range(rounds))
-    return max(0.0, extra[rounds // 2] / SPLIT_BLOCKS)
+    m = SPLIT_MICROBATCHES
+    x, target = torch.randn(sequences * m, positions, width), torch.randn(sequences * m, positions, width)
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    try:
+        def schedule(cls):
+            stages = [PipelineStage(torch.nn.Sequential(*[Block(cfg) for _ in range(SPLIT_BLOCKS)]), i, 2,
+                                    torch.device("cpu"), group=dist.group.WORLD) for i in range(2)]
+            return cls(stages, m, loss_fn=lambda out, y: (out * y).mean())
+        split, whole = schedule(ScheduleZBVZeroBubble), schedule(ScheduleInterleaved1F1B)
+        for _ in range(2):  # warm-up (the first step infers the stages' shapes)
+            split.step(x, target=target), whole.step(x, target=target)
+        extra = sorted(timed(lambda: split.step(x, target=target)) - timed(lambda: whole.step(x, target=target))
+                       for _ in range(rounds))
+    finally:
+        dist.destroy_process_group()
+    return max(0.0, extra[rounds // 2] / (m * SPLIT_BLOCKS))
 
 
 def measure_memory_bandwidth(elems: int = 16 * 2**20, repeats: int = 5) -> float:
