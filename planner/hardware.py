@@ -83,8 +83,8 @@ class Hardware:
     # what torch's split backward (the zero-bubble schedules' input and weight halves: a walk of the
     # autograd graph, then one autograd call per parameter group) costs beyond one full backward:
     # seconds per block per micro-batch, and per activation element per block (local measures both:
-    # tools/calibrate.py split_rates; about 0.9 ms a block at 64 wide x 256 tokens on a 2-core CPU,
-    # where the full backward takes 1.2 ms). Absent: 0, not priced
+    # tools/calibrate.py split_rates, timed through torch's own schedules; about 0.7 ms a block at
+    # 64 wide x 256 tokens on a 2-core CPU, where the full backward takes 1.2 ms). Absent: 0, not priced
     split_backward_overhead: float = 0.0
     split_backward_elementwise: float = 0.0
     # what FSDP2 costs per parameter element it shards, per micro-batch, beyond fsdp_overhead's fixed

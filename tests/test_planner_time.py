@@ -591,11 +591,22 @@ def test_torch_runs_the_first_stages_backward_whole_under_zero_bubble(tmp_path):
 
 
 def test_split_backward_costs_more_than_a_full_one():
-    """The premise of the term above, measured: torch's split backward (stage_backward_input, then
-    stage_backward_weight) of a 2-block 64-wide stage takes longer than one full backward (here it
-    takes about twice as long; > 0 is what the price needs)."""
+    """The premise of the term above, measured through torch's own schedules: ScheduleZBVZeroBubble
+    on two 2-block 64-wide stages takes longer than ScheduleInterleaved1F1B on the same stages (about
+    0.7 ms a block per micro-batch here; > 0 is what the price needs). It makes its own one-rank
+    process group and refuses to run beside another one."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     from tools import calibrate
     assert calibrate.measure_split(64, 64, 4) > 0
+    assert not dist.is_initialized()  # its group is gone
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with pytest.raises(RuntimeError, match="one-rank process group"):
+            calibrate.measure_split(64, 64, 4)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_calibration_separates_the_split_backwards_fixed_and_per_element_cost(monkeypatch):
