@@ -71,11 +71,24 @@ def attention_flops(g: GPTConfig, lay: PlannedLayout, cp_rank: int, zigzag: bool
     return 4 * (g.n_embd // lay.tp) * pairs * lay.micro_batch_size * lay.microbatches * layers
 
 
+def rank_tokens(g: GPTConfig, lay: PlannedLayout) -> int:
+    """T: the tokens one rank's blocks work through in a step (micro-batch x M x block; its share
+    of each sequence under cp)."""
+    return lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp
+
+
+def unsplit_blocks(lay: PlannedLayout, stages: list[int]) -> int:
+    """Blocks of `stages` whose backward a zero-bubble schedule runs whole: the first stage's (torch
+    skips its input half, nothing before it needs an input gradient, and runs its backward as the
+    weight half)."""
+    return lay.stage_blocks[0] if 0 in stages else 0
+
+
 def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool, hw: Hardware,
                  dtype: str, unsplit: int = 0) -> tuple[float, float]:
     """(forward + backward seconds, recomputation seconds) of one pp rank's step. `unsplit`: blocks
-    among its own whose backward a zero-bubble schedule runs whole (the first stage's)."""
-    tokens = lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp  # cp: this rank's tokens
+    among its own that pay no split backward (`unsplit_blocks`)."""
+    tokens = rank_tokens(g, lay)
     rate = hw.peak(dtype) * hw.compute_efficiency
     fwd, fwd_blocks = forward_flops_per_token(g, lay, held, last)
     overhead = block_overhead(lay, hw) * held.blocks * lay.microbatches
@@ -96,9 +109,8 @@ def split_seconds(g: GPTConfig, lay: PlannedLayout, blocks: int, hw: Hardware) -
     backward over the step, under a zero-bubble schedule (0 otherwise)."""
     if not splits_backward(lay):
         return 0.0
-    tokens = lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp
     return blocks * (lay.microbatches * hw.split_backward_overhead
-                     + tokens * activation_width(g, lay) * hw.split_backward_elementwise)
+                     + rank_tokens(g, lay) * activation_width(g, lay) * hw.split_backward_elementwise)
 
 
 def zero_bubble_idle(g: GPTConfig, lay: PlannedLayout, hw: Hardware, dtype: str) -> float:
@@ -113,7 +125,7 @@ def zero_bubble_idle(g: GPTConfig, lay: PlannedLayout, hw: Hardware, dtype: str)
         work -= hw.step_overhead * busy  # once a step, not once a stage
         forward.append(work / 3 / m)
         backward.append((2 * work / 3 + recompute) / m)
-        split.append(split_seconds(g, lay, held.blocks, hw) * busy / m)
+        split.append(split_seconds(g, lay, held.blocks - unsplit_blocks(lay, [s]), hw) * busy / m)
     span, ranks_busy = zero_bubble_span(lay, forward, backward, split)
     return span - max(ranks_busy)
 

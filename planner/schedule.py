@@ -97,8 +97,14 @@ def bubble_fraction(lay: PlannedLayout) -> float:
 def _zero_bubble(pp: int, microbatches: int, stages_per_rank: int) -> float:
     """One play per schedule shape: a plan asks for the same one per layout and per rank (p = 128,
     M = 512 takes about a second)."""
-    return simulated_bubble([rank_actions("zero_bubble", pp, microbatches, stages_per_rank, r) for r in range(pp)],
-                            pp * stages_per_rank)
+    return simulated_bubble(_zero_bubble_actions(pp, microbatches, stages_per_rank), pp * stages_per_rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_actions(pp: int, microbatches: int, stages_per_rank: int) -> tuple[list, ...]:
+    """Every rank's zero-bubble action list, computed once per schedule shape (the equal-cost
+    fraction and the step time's play both read them)."""
+    return tuple(rank_actions("zero_bubble", pp, microbatches, stages_per_rank, r) for r in range(pp))
 
 
 def simulated_bubble(per_rank: list[list], stages: int) -> float:
@@ -157,5 +163,4 @@ def zero_bubble_span(lay: PlannedLayout, forward: list[float], backward: list[fl
         if stage == 0:
             return 0.0 if kind == _KINDS.BACKWARD_INPUT else backward[0]
         return (backward[stage] + split[stage]) / 2
-    return played([rank_actions("zero_bubble", lay.pp, lay.microbatches, lay.stages_per_rank, r)
-                   for r in range(lay.pp)], lay.num_stages, cost)
+    return played(list(_zero_bubble_actions(lay.pp, lay.microbatches, lay.stages_per_rank)), lay.num_stages, cost)

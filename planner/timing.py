@@ -57,7 +57,9 @@ from planner.compute import (
     block_overhead,
     fsdp_sharded,
     rank_compute,
+    rank_tokens,
     splits_backward,
+    unsplit_blocks,
     zero_bubble_idle,
 )
 from planner.hardware import Hardware, Link
@@ -175,10 +177,8 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
               optimizer_elems: list[int], hw: Hardware, dtype: str, batch_size: int) -> StepTime:
     """The predicted step (the module's doc): slowest compute + bubble + worst exposed rest."""
     last, world = lay.num_stages - 1, lay.world
-    # torch runs the first stage's backward whole under the zero-bubble schedules (nothing before it
-    # needs an input gradient): its blocks pay no split
     compute = [rank_compute(g, lay, h, lay.pp == 1 or last in lay.stages_of(r), hw, dtype,
-                            unsplit=lay.stage_blocks[0] if lay.pp > 1 and 0 in lay.stages_of(r) else 0)
+                            unsplit=unsplit_blocks(lay, lay.stages_of(r)))
                for r, h in enumerate(held)]
     slow = max(range(len(compute)), key=lambda r: sum(compute[r]))
     work = sum(compute[slow])
@@ -229,8 +229,7 @@ def _stretched(term: TimeTerm, share: float) -> TimeTerm:
 
 
 def _flops_note(g: GPTConfig, lay: PlannedLayout, held: RankTensors) -> str:
-    tokens = lay.micro_batch_size * lay.microbatches * g.block_size // lay.cp
-    return f"3 x forward FLOPs of {held.blocks} block(s) x {tokens} tokens"
+    return f"3 x forward FLOPs of {held.blocks} block(s) x {rank_tokens(g, lay)} tokens"
 
 
 def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, tensors: int,

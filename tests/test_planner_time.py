@@ -481,6 +481,21 @@ def test_calibration_separates_matmul_efficiency_from_elementwise_work(monkeypat
     assert efficiency == 1 and 35e-9 < elementwise < 37e-9
 
 
+def _pp_terms(tmp_path, hw, *overrides):
+    """The predicted step's terms by name: TINY (4 blocks of 32, batch 8 x block 16) on 2 pp ranks."""
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0",
+                                    "parallel.strategy=none", "parallel.pp=2", *overrides])
+    lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+    return {t.name: t.seconds for t in lp.time.terms}
+
+
+def _block_bound(**figures):
+    """h100-sxm, its devices on one node, where each block costs 1 ms a micro-batch and little else
+    does (TINY's FLOPs take nanoseconds there)."""
+    return dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False, block_overhead=1e-3,
+                               **figures)
+
+
 @pytest.mark.parametrize("overrides, stage_blocks", [
     (("parallel.pp_schedule=zero_bubble",), 2), (("parallel.pp_schedule=zero_bubble", "parallel.pp_stages_per_rank=2"), 2),
     (("parallel.pp_schedule=1f1b",), 0), (("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"), 0)])
@@ -497,26 +512,8 @@ def test_zero_bubble_prices_torchs_split_backward(tmp_path, overrides, stage_blo
     priced = dataclasses.replace(base, split_backward_overhead=1e-3, split_backward_elementwise=1e-9)
 
     def compute(hw):
-        cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0",
-                                        "parallel.strategy=none", "parallel.pp=2", "parallel.microbatches=4", *overrides])
-        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
-        return next(t.seconds for t in lp.time.terms if t.name == "compute")
+        return _pp_terms(tmp_path, hw, "parallel.microbatches=4", *overrides)["compute"]
     assert compute(priced) - compute(base) == pytest.approx(stage_blocks * (4 * 1e-3 + 8 * 16 * 32 * 1e-9), rel=1e-4)
-
-
-def _pp_terms(tmp_path, hw, *overrides):
-    """The predicted step's terms by name: TINY (4 blocks of 32, batch 8 x block 16) on 2 pp ranks."""
-    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0",
-                                    "parallel.strategy=none", "parallel.pp=2", *overrides])
-    lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
-    return {t.name: t.seconds for t in lp.time.terms}
-
-
-def _block_bound(**figures):
-    """h100-sxm, its devices on one node, where each block costs 1 ms a micro-batch and little else
-    does (TINY's FLOPs take nanoseconds there)."""
-    return dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False, block_overhead=1e-3,
-                               **figures)
 
 
 def test_the_first_stage_pays_no_split_backward(tmp_path):
