@@ -5,8 +5,10 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
 
     compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
                  + copies + step_overhead + split + cp) x busy   forward + backward (2x forward)
-    w         = h (h / t with sequence parallelism, h (1 + 1/t) / 2 with plain tp): the activation
+    w         = h (h (1 + 1/t) / 2 under tp, with or without sequence parallelism): the activation
                 elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
+    sp        = T x blocks x h x sp_elementwise with sequence parallelism: its redistributions' work
+                per activation element beyond plain tp's (with sp_overhead's fixed part per block)
     busy      = busy_node_slowdown with more than one rank (CPU cores share the memory system), else 1
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
@@ -96,6 +98,8 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     # runs once a step where micro-batches accumulate unsynchronised); recomputation copies nothing
     copies = hw.fsdp_copy * held.elems * lay.microbatches if fsdp_sharded(lay) else 0.0
     elementwise = tokens * held.blocks * activation_width(g, lay) * hw.elementwise  # through the blocks
+    if lay.tp > 1 and lay.sequence_parallel:  # its redistributions' copies beyond plain tp's (calibrated)
+        elementwise += tokens * held.blocks * g.n_embd * hw.sp_elementwise
     split = split_seconds(g, lay, held.blocks - unsplit, hw)
     cp = context_parallel_extra(g, lay, held, hw, tokens)
     compute = tokens * 3 * fwd / rate + elementwise + overhead + copies + hw.step_overhead + split + cp
@@ -161,11 +165,16 @@ def splits_backward(lay: PlannedLayout) -> bool:
 
 def activation_width(g: GPTConfig, lay: PlannedLayout) -> float:
     """The activation elements per token one rank's block works through element-wise (the
-    hardware's `elementwise` seconds each): the width h, h / t under sequence parallelism (every
-    activation split over tp); plain tp splits attention's and the MLP's (half of it, first
-    order) and repeats the LayerNorms and residual adds on every rank: h (1 + 1/t) / 2."""
+    hardware's `elementwise` seconds each): the width h; tp splits attention's and the MLP's (half
+    of it, first order) and repeats the LayerNorms and residual adds on every rank: h (1 + 1/t) / 2.
+    Sequence parallelism splits those too, but its redistributions (the gathers' and
+    reduce-scatters' chunks concatenated and split) cost the rank more than it saves: on the fake
+    process group a 2 x 128 GPT over 8 x 256 tokens measured 2.0 ms slower at tp 2 with it than
+    without (2026-11-29), where h / t here predicted 3.1 ms faster. So it is priced as plain tp's
+    width plus what the calibration measures it adds (sp_overhead per block, sp_elementwise per
+    activation element: tools/calibrate_engines.py)."""
     h, t = g.n_embd, lay.tp
-    return h / t if lay.sequence_parallel else h * (1 + 1 / t) / 2
+    return h * (1 + 1 / t) / 2
 
 
 def fsdp_sharded(lay: PlannedLayout) -> bool:

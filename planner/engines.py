@@ -138,9 +138,10 @@ class Zero1Costs(EngineCosts):
         return ((self.gradient_copies * bucket + ceil_div(bucket, self.ranks)) * PARAM_BYTES,
                 ["largest ZeRO bucket: " + self.bucket_note])
 
-    def gradient_reduction(self, k: int, buckets: int) -> Collective:
+    def gradient_reduction(self, k: int, buckets: int, tensors: int) -> Collective:
         return Collective("reduce-scatter", self.group, "gradients, in the last micro-batch's backward",
-                          k, ring_volume(k, self.ranks), "K(n-1)/n", calls=buckets)
+                          k, ring_volume(k, self.ranks), "K(n-1)/n", calls=buckets,
+                          copied_tensors=tensors, copied_elems=k // PARAM_BYTES)
 
     def collectives(self, held: RankTensors) -> list[Collective]:
         # every tensor is padded to n equal chunks of ceil(numel / n) (parallel/zero_shard.py): at
@@ -148,9 +149,10 @@ class Zero1Costs(EngineCosts):
         # sweep, benchmarks/dry_run_sweep.py)
         k = sum(self.share(t.spec.shape) for t in held) * self.ranks * PARAM_BYTES
         buckets = zero_buckets(held, self.bucket_cap_bytes)
-        return [self.gradient_reduction(k, buckets),
+        # each call packs its bucket's tensors and unpacks what it receives (parallel/zero_shard.py)
+        return [self.gradient_reduction(k, buckets, len(held.tensors)),
                 Collective("all-gather", self.group, "updated parameter slices", k, ring_volume(k, self.ranks), "K(n-1)/n",
-                           calls=buckets)]
+                           calls=buckets, copied_tensors=len(held.tensors), copied_elems=k // PARAM_BYTES)]
 
 
 @dataclass(frozen=True)
@@ -161,10 +163,11 @@ class Zero2Costs(Zero1Costs):
     gradient_copies: ClassVar[int] = 2
     bucket_note: ClassVar[str] = "its full gradients + packed copy + slice"
 
-    def gradient_reduction(self, k: int, buckets: int) -> Collective:
+    def gradient_reduction(self, k: int, buckets: int, tensors: int) -> Collective:
         m = self.microbatches
         return Collective("reduce-scatter", self.group, f"gradients on each of {m} micro-batch(es)",
-                          k * m, ring_volume(k * m, self.ranks), "m K(n-1)/n", calls=buckets * m)
+                          k * m, ring_volume(k * m, self.ranks), "m K(n-1)/n", calls=buckets * m,
+                          copied_tensors=tensors * m, copied_elems=k * m // PARAM_BYTES)
 
 
 def zero_bucket_sizes(held: RankTensors, cap_bytes: float) -> list[int]:

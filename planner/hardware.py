@@ -117,6 +117,19 @@ class Hardware:
     # the 2-core CPU about a ms a call even with little compute between calls, where a call right
     # after another measures 0.15-1.0 ms. Absent: 0, FSDP2's calls priced like any other
     fsdp_call_latency: float = 0.0
+    # what the project's ZeRO-1/2 engine (parallel/zero_shard.py) costs the rank's cores around each
+    # of its reduce-scatters and all-gathers: seconds per tensor of the bucket (a pad and a slice
+    # each) and per element (packed into one buffer before the call; after it the received rows
+    # summed and divided, or split and copied into the parameters). local measures both on the
+    # fake process group (tools/calibrate_engines.py; about 5 us and 0.8 ns on the 2-core CPU).
+    # Absent: no fixed part, and each element priced as ZERO_COPY_BYTES over memory_bandwidth
+    # (planner/timing.py engine_copies)
+    zero_overhead: float = 0.0
+    zero_copy: float = 0.0
+    # seconds per activation element (token x width) per block per micro-batch that sequence
+    # parallelism's redistributions cost beyond plain tp's work, with sp_overhead's fixed part per
+    # block (local measures both on the fake process group: tools/calibrate_engines.py). Absent: 0
+    sp_elementwise: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -183,7 +196,8 @@ def hardware_of(raw, where: str) -> Hardware:
                                                                "fsdp_copy", "dtensor_optimizer_overhead", "latency_gap",
                                                                "cp_ring_overhead", "cp_ring_elementwise",
                                                                "cp_allgather_overhead", "cp_allgather_elementwise",
-                                                               "fsdp_call_latency")))
+                                                               "fsdp_call_latency", "zero_overhead", "zero_copy",
+                                                               "sp_elementwise")))
 
 
 def _link(raw: dict, key: str, where: str) -> Link:

@@ -116,6 +116,12 @@ class Collective:
     # all-gathers, priced at the backend's own all-gather rates where the hardware gives them (gloo's)
     gather_calls: int = 0
     gather_bytes: int = 0
+    # tensors and elements the engine's own code packs before its calls and unpacks after them,
+    # summed over the step's calls (ZeRO-1/2, parallel/zero_shard.py: every tensor of a bucket padded
+    # and concatenated, the received rows summed or split and copied back): a rank's cores do it,
+    # priced by planner/timing.py engine_copies
+    copied_tensors: int = 0
+    copied_elems: int = 0
 
 
 @dataclass

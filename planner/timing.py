@@ -12,6 +12,9 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
                 (FSDP2's gathers and reduce-scatters: a call's latency at least fsdp_call_latency,
                  what one costs on the backend in FSDP2's own pattern where the hardware measured it)
+    copies    = ZeRO-1/2's packing around its calls: tensors x zero_overhead + elements x zero_copy, per
+                reduce-scatter and all-gather (ZERO_COPY_BYTES / memory bandwidth an element where the
+                hardware does not give zero_copy), x busy like the compute (the rank's cores do it)
     latency   = near_latency + (latency - near_latency) x min(1, gap / latency_gap) where the hardware
                 gives both (local: gloo's threads sleep between calls, so a call costs more the longer
                 the rank computed since its last one); gap = the rank's compute / its calls per step
@@ -55,6 +58,7 @@ from model import GPTConfig
 from parallel.options import Engine
 from planner.compute import (
     block_overhead,
+    busy_factor,
     fsdp_sharded,
     rank_compute,
     rank_tokens,
@@ -68,6 +72,11 @@ from planner.records import Collective, PlannedLayout, StepTime, TimeTerm
 from planner.schedule import bubble_fraction
 
 OPTIMIZER_BYTES = 32  # AdamW per element: read p, g, m, v (16) and write p, m, v (12), + the clip norm's read
+# ZeRO-1/2 per element of a bucket at n = 2 (parallel/zero_shard.py), each a read and a write of 4
+# bytes: a reduce-scatter pads each tensor (8) and concatenates them (8), gloo copies this rank's own
+# chunk (4), the rows are summed (6) and divided (4); an all-gather pads and concatenates the slice
+# (8), gloo copies it (4), the rows are split (8) and copied into the parameters (8). About 30 each
+ZERO_COPY_BYTES = 30
 
 
 def model_flops_per_token(g: GPTConfig) -> float:
@@ -254,6 +263,9 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, te
             window -= seconds - exposed
         terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if hidden else ''})", seconds,
                               exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B / bandwidth"))
+    copies = engine_copies(traffic, lay, hw)
+    if copies:
+        terms.append(copies)
     for group, n, calls in norms:
         link = group_link(lay, group, hw)[1]
         seconds = calls * 2 * (n - 1) * step_latency(link, gap, hw)  # 4 bytes each: latency only
@@ -269,3 +281,20 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, te
                           f"{OPTIMIZER_BYTES} B x {opt_elems:,} stepped elements / memory bandwidth"
                           + (f" + {tensors} DTensors x {hw.dtensor_optimizer_overhead * 1e6:.3g} us" if dispatch else "")))
     return terms
+
+
+def engine_copies(traffic: list[Collective], lay: PlannedLayout, hw: Hardware) -> TimeTerm | None:
+    """What the engine's own packing and unpacking around its collectives costs the rank's cores
+    (ZeRO-1/2: Collective.copied_tensors and copied_elems), x busy_factor like the compute: the
+    hardware's zero_overhead per tensor and zero_copy per element, where it gives zero_copy; else
+    ZERO_COPY_BYTES per element at the memory bandwidth. None when the engine copies nothing."""
+    tensors = sum(c.copied_tensors for c in traffic)
+    elems = sum(c.copied_elems for c in traffic)
+    if not elems:
+        return None
+    per_element = hw.zero_copy or ZERO_COPY_BYTES / hw.memory_bandwidth
+    seconds = (tensors * hw.zero_overhead + elems * per_element) * busy_factor(lay, hw)
+    how = (f"{tensors} tensors x {hw.zero_overhead * 1e6:.3g} us + {elems:,} elements x {per_element * 1e9:.3g} ns"
+           if hw.zero_copy else f"{elems:,} elements x {ZERO_COPY_BYTES} B / memory bandwidth")
+    return TimeTerm("ZeRO bucket copies", seconds, seconds,
+                    f"{how} (packed before and unpacked after each reduce-scatter and all-gather)")

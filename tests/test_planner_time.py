@@ -26,6 +26,7 @@ from planner import local_hardware
 from planner.auto import resolved_config
 from planner.hardware import Link, load_hardware
 from planner.schedule import zero_bubble_span
+from planner import timing
 from planner.timing import group_link
 from testing.local import REPO, TINY, python
 from tools.calibrate import measure_local
@@ -128,6 +129,10 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\ndtensor_optimizer_overhead: fast\n",
      "needs dtensor_optimizer_overhead: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nzero_copy: -1.0e-9\n", "needs zero_copy: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nzero_overhead: slow\n", "needs zero_overhead: a positive number"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -161,6 +166,9 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     # torch's split backward (zero-bubble) beyond a full one: a fixed part and one per element
     assert first.split_backward_overhead + first.split_backward_elementwise > 0
     assert second.split_backward_overhead == first.split_backward_overhead
+    # ZeRO-1/2's packing: a part per tensor and one per element; sequence parallelism's per element
+    assert first.zero_overhead > 0 and first.zero_copy > 0 and second.zero_copy == first.zero_copy
+    assert first.sp_elementwise >= 0 and second.sp_elementwise == first.sp_elementwise  # 0: a noisy pair fell back
 
 
 def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):
@@ -415,6 +423,57 @@ def test_fsdp2_pays_its_copies_per_parameter_and_its_optimizer_per_dtensor(tmp_p
         {k: v for k, v in terms[0].items() if k not in ("compute", "optimizer")}
 
 
+@pytest.mark.parametrize("overrides, reductions", [
+    (("parallel.strategy=zero", "parallel.zero_stage=1"), 1), (("parallel.strategy=zero", "parallel.zero_stage=2"), 2),
+    (("parallel.strategy=ddp",), 0), (("parallel.strategy=fsdp",), 0), (("parallel.strategy=zero", "parallel.zero_stage=3"), 0)])
+def test_zero_1_and_2_pay_their_bucket_copies(tmp_path, overrides, reductions):
+    """ZeRO-1/2 (parallel/zero_shard.py) pack every tensor of a bucket before each reduce-scatter
+    and all-gather and unpack after it: zero_overhead per tensor and zero_copy per element (each
+    tensor padded to n equal chunks), once per reduction (stage 1: once a step; stage 2: each of
+    its 2 micro-batches) and once for the gather, x the busy node's slowdown; without zero_copy,
+    ZERO_COPY_BYTES an element at the memory bandwidth. No other engine pays them (DDP's reducer
+    and FSDP2's copies are their own terms). Off by a micro-batch, by the padding, by the gather
+    or by the busy factor fails."""
+    base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False, busy_node_slowdown=1.5)
+    measured = dataclasses.replace(base, zero_overhead=1e-5, zero_copy=1e-9)
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=2", *overrides])
+    g, lay = planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2)
+    assert planner.plan_layout(cfg, g, lay, True, None, base).layout.microbatches == 2
+    copies = [{t.name: t.seconds for t in planner.plan_layout(cfg, g, lay, True, None, hw).time.terms}.get("ZeRO bucket copies")
+              for hw in (base, measured)]
+    if not reductions:
+        assert copies == [None, None]
+        return
+    params = list(GPT(g).parameters())
+    padded, tensors = sum(-(-p.numel() // 2) * 2 for p in params), len(params)
+    collectives = reductions + 1
+    assert copies[0] == pytest.approx(collectives * padded * timing.ZERO_COPY_BYTES / base.memory_bandwidth * 1.5)
+    assert copies[1] == pytest.approx(collectives * (tensors * 1e-5 + padded * 1e-9) * 1.5)
+
+
+def test_the_zero_copy_calibration_times_the_engines_own_packing():
+    """tools/calibrate_engines.py `_zero_copies` runs parallel/zero_shard.py's reduction and gather
+    on the fake process group, as many tensors and elements as the model has, and its two models
+    separate a positive cost per tensor from a positive cost per element (the wide model's 36
+    tensors and 6.3M elements take longer than the tiny one's 68 and 0.2M)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tools.calibrate_engines import ENGINE_MODEL, ZERO_WIDE, _zero_copies, engine_gpt, two_part
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        tiny, wide = (_zero_copies(engine_gpt(shape), rounds=3) for shape in (ENGINE_MODEL, ZERO_WIDE))
+    finally:
+        dist.destroy_process_group()
+    for (seconds, tensors, elements), shape in zip((tiny, wide), (ENGINE_MODEL, ZERO_WIDE)):
+        model = engine_gpt(shape)
+        assert (tensors, elements) == (len(list(model.parameters())), model.num_params(exclude_position=False))
+        assert seconds > 0
+    assert wide[0] > tiny[0]
+    fixed, per_element = two_part(tiny, wide)
+    assert fixed > 0 and per_element > 0
+
+
 @pytest.mark.parametrize("overrides, calls", [
     (("parallel.strategy=ddp",), 0), (("parallel.strategy=zero", "parallel.zero_stage=2"), 1),
     (("parallel.strategy=fsdp",), 1), (("parallel.strategy=none", "parallel.tp=2"), 2),
@@ -437,14 +496,19 @@ def test_the_gradient_norms_all_reduces_pay_their_latency(tmp_path, overrides, c
 @pytest.mark.parametrize("overrides, width", [
     (("parallel.strategy=ddp",), 32), (("parallel.strategy=fsdp",), 32),
     (("parallel.strategy=none", "parallel.tp=2"), 32 * (1 + 1 / 2) / 2),
-    (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true"), 16),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true"), 32 * (1 + 1 / 2) / 2),
     (("parallel.strategy=none", "parallel.pp=2", "parallel.microbatches=4"), 32)])
-def test_elementwise_work_costs_per_activation_element(tmp_path, overrides, width):
+@pytest.mark.parametrize("key", ["elementwise", "sp_elementwise"])
+def test_elementwise_work_costs_per_activation_element(tmp_path, overrides, width, key):
     """The hardware's `elementwise` seconds per token x block x activation width are added to the
-    compute (TINY: 4 blocks of 32, batch 8 x block 16 over 2 ranks); a description without it
-    (every GPU file) is unchanged."""
+    compute (TINY: 4 blocks of 32, batch 8 x block 16 over 2 ranks), sequence parallelism at plain
+    tp's width (its sharded LayerNorms' saving is in what the calibration measures it adds), and
+    its `sp_elementwise` per token x block x the whole width under sequence parallelism only; a
+    description without them (every GPU file) is unchanged."""
     base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False)
-    priced = dataclasses.replace(base, elementwise=1e-9)
+    priced = dataclasses.replace(base, **{key: 1e-9})
+    if key == "sp_elementwise":
+        width = 32 if "parallel.sequence_parallel=true" in overrides else 0
 
     def compute(hw):
         cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", *overrides])

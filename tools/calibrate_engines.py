@@ -3,9 +3,11 @@ process group (its collectives return at once, so what remains is each engine's 
 host): tools/calibrate.py runs `engines` in the first of its two processes, after their gloo group
 is closed.
 
-- tp_overhead, sp_overhead: what a tensor-parallel (tp 2) tiny GPT costs per block per micro-batch
-  beyond the plain tiny GPT (DTensor dispatch and redistribution), and what sequence parallelism
-  adds to it;
+- tp_overhead: what a tensor-parallel (tp 2) tiny GPT costs per block per micro-batch beyond the
+  plain tiny GPT (DTensor dispatch and redistribution);
+- sp_overhead, sp_elementwise: what sequence parallelism adds to a tp 2 GPT, a fixed part per block
+  and one per activation element (tokens x width per block), from the tiny GPT and a wider one
+  (`two_part`; its sharded LayerNorms' saving and its redistributions' copies together);
 - fsdp_overhead, fsdp_copy: what FSDP2 (2 ranks) adds, split into a fixed cost per block (its hooks)
   and one per parameter element (the copies into and out of the gather and reduce-scatter
   buffers, which a tiny model cannot show) from the tiny GPT and a wide shallow one (`two_part`);
@@ -19,6 +21,11 @@ is closed.
   group's receive would leave them unwritten, and its reduce-scatter refuses the ring's shapes):
   the same shapes and kernels, the bytes' time left to the collectives' own figures. Measured at
   cp 2; planner/compute.py scales the ring's by cp - 1;
+- zero_overhead, zero_copy: what the project's ZeRO-1/2 engine (parallel/zero_shard.py, 2 ranks)
+  costs around each reduce-scatter and all-gather, its packing and unpacking of a bucket, per tensor
+  and per element, from the tiny GPT and a wide one of 25 MB (`_zero_copies`), timed while glibc
+  keeps the freed memory as trainer.host_memory=reuse does (returned to the kernel at every free,
+  the same work measured 5x as long on 1-4 MB tensors: the fresh mappings' page faults);
 - plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds;
 - fsdp_step: the FSDP2 tiny GPT's forward + backward here, where its collectives return at once:
   tools/calibrate.py subtracts it from the same on gloo (fsdp_call_latency).
@@ -32,10 +39,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from config import ParallelConfig
 from model import GPT, GPTConfig, lm_loss
+from observe.host_memory import reuse_step_memory
 from parallel.cp import Ring, apply_context_parallel
 from parallel.fsdp import fully_shard_gpt
+from parallel.strategy import decay_groups
 from parallel.tp import apply_tensor_parallel
+from parallel.zero_shard import ShardPlan, ZeroDataParallel
+
+DEFAULT_BUCKET_MB = ParallelConfig.bucket_cap_mb  # the engine's buckets as a default launch makes them
 
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
 # the second FSDP2 GPT, wide and shallow (its math about a ms): with ENGINE_MODEL it separates FSDP2's
@@ -44,6 +57,11 @@ ENGINE_WIDE = (2, 256, 16, 2)
 # the second cp GPT: each cp rank's 16 sequences of 16 positions, 256 wide (a few ms of math a block)
 CP_WIDE = (2, 256, 16, 16)
 CP_MODES = ("ring", "allgather")
+# the second ZeRO-1/2 GPT: 6.3M parameters, 25 MB, larger than the CPU's last-level cache as a
+# model's buckets are (ENGINE_MODEL's 0.2M fit in it)
+ZERO_WIDE = (2, 512, 16, 2)
+# the second tp and sp GPT: 8 sequences of 128 positions, 128 wide (131k activation elements a block)
+SP_WIDE = (2, 128, 128, 8)
 ROUNDS, WARMUP = 20, 3
 
 
@@ -129,9 +147,11 @@ def engines(threads: int) -> dict:
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     mesh = init_device_mesh("cpu", (2,))
 
-    small, wide, cp_wide = engine_tokens(ENGINE_MODEL), engine_tokens(ENGINE_WIDE), engine_tokens(CP_WIDE)
+    small, wide, cp_wide, sp_wide = (engine_tokens(shape) for shape in (ENGINE_MODEL, ENGINE_WIDE, CP_WIDE, SP_WIDE))
     models = {"plain": (engine_gpt(ENGINE_MODEL), small), "tp": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh), small),
               "sp": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh, sequence_parallel=True), small),
+              "tp wide": (apply_tensor_parallel(engine_gpt(SP_WIDE), mesh), sp_wide),
+              "sp wide": (apply_tensor_parallel(engine_gpt(SP_WIDE), mesh, sequence_parallel=True), sp_wide),
               "fsdp": (fully_sharded(engine_gpt(ENGINE_MODEL), mesh), small),
               "plain wide": (engine_gpt(ENGINE_WIDE), wide), "fsdp wide": (fully_sharded(engine_gpt(ENGINE_WIDE), mesh), wide),
               # the same tokens and query-key pairs as a cp rank's (the zigzag split gives each rank
@@ -142,18 +162,21 @@ def engines(threads: int) -> dict:
         models[f"cp {mode}"] = (_context_parallel(ENGINE_MODEL, mode), small)
         models[f"cp {mode} wide"] = (_context_parallel(CP_WIDE, mode), cp_wide)
     median = _medians(models)
-    layers = ENGINE_MODEL[0]
-    extra = {name: max(0.0, (median[name] - median["plain"]) / layers) for name in ("tp", "sp")}
-    extra["sp"] = max(0.0, extra["sp"] - extra["tp"])  # what sequence parallelism adds to tp's
+    tp = max(0.0, (median["tp"] - median["plain"]) / ENGINE_MODEL[0])
+    # what sequence parallelism adds to tp's, per block and per activation element of its blocks
+    sp = two_part(*((median[f"sp{w}"] - median[f"tp{w}"], shape[0], shape[0] * shape[1] * shape[2] * shape[3])
+                    for w, shape in (("", ENGINE_MODEL), (" wide", SP_WIDE))))
     fsdp, copy = two_part(*((median[f"fsdp{w}"] - median[f"plain{w}"], shape[0], models[f"plain{w}"][0].num_params(
         exclude_position=False)) for w, shape in (("", ENGINE_MODEL), (" wide", ENGINE_WIDE))))
     cp = {mode: two_part(*((median[f"cp {mode}{w}"] - median[f"plain cp{w}"], shape[0], shape[0] * shape[1] * shape[2] * shape[3])
                            for w, shape in (("", ENGINE_MODEL), (" wide", CP_WIDE)))) for mode in CP_MODES}
     optimizer = _dtensor_optimizer(models["fsdp"][0])
+    zero_overhead, zero_copy = two_part(*(_zero_copies(engine_gpt(shape)) for shape in (ENGINE_MODEL, ZERO_WIDE)))
     dist.destroy_process_group()
-    return {"tp_overhead": extra["tp"], "sp_overhead": extra["sp"], "fsdp_overhead": fsdp, "fsdp_copy": copy,
+    return {"tp_overhead": tp, "sp_overhead": sp[0], "sp_elementwise": sp[1], "fsdp_overhead": fsdp, "fsdp_copy": copy,
             "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(engine_gpt(ENGINE_MODEL), small),
             "fsdp_step": median["fsdp"],  # FSDP2's host work alone: tools/calibrate.py fsdp_call_latency
+            "zero_overhead": zero_overhead, "zero_copy": zero_copy,
             **{f"cp_{mode}_overhead": cp[mode][0] for mode in CP_MODES},
             **{f"cp_{mode}_elementwise": cp[mode][1] for mode in CP_MODES}}
 
@@ -163,8 +186,9 @@ def two_part(tiny: tuple[float, int, int], wide: tuple[float, int, int]) -> tupl
     from two models' (extra seconds, blocks or tensors, elements): extra = count x fixed + elements x
     per_element, two equations in two unknowns. FSDP2's elements are its parameter elements (the
     copies in and out of its buffers; by hand on the fake process group, docs/planner.md: 1.2-1.3 ms
-    a block at 64 wide, 3-7.7 ms at 256-512 wide), context parallelism's the activation elements
-    its attention goes through (tokens x width per block). The fixed part is the host work the tiny
+    a block at 64 wide, 3-7.7 ms at 256-512 wide), context parallelism's and sequence
+    parallelism's the activation elements their blocks go through (tokens x width per block),
+    ZeRO-1/2's (counting tensors, not blocks) its parameter elements. The fixed part is the host work the tiny
     model's extra is nearly all of. A noisy pair that gives a negative part keeps the other alone
     (never below 0)."""
     (e1, b1, n1), (e2, b2, n2) = tiny, wide
@@ -190,6 +214,26 @@ def _dtensor_optimizer(sharded: GPT, rounds: int = 15) -> float:
     dtensor, tensors = _interleaved_medians([torch.optim.AdamW(ps, lr=1e-4, fused=True).step for ps in (params, local)],
                                             rounds)
     return max(0.0, (dtensor - tensors) / len(params))
+
+
+def _zero_copies(model: GPT, rounds: int = 9) -> tuple[float, int, int]:
+    """(seconds, tensors, elements) of one ZeRO-1/2 collective's packing and unpacking: rank 0 of 2
+    on the fake process group (its calls return at once, writing nothing) reduces every bucket and
+    gathers the parameters back as parallel/zero_shard.py does in a step; the median of `rounds`
+    (after WARMUP) over the two collectives, under trainer.host_memory=reuse's glibc setting."""
+    plan = ShardPlan([model], decay_groups([model], 0.1), 2, 0, DEFAULT_BUCKET_MB, dist.group.WORLD)
+    wrapped = ZeroDataParallel(model, plan, keep_full_grads=True)  # stage 1: the gradients stay for the next round
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+
+    def reduce_and_gather():
+        for bucket in plan.buckets:
+            wrapped._reduce(bucket)
+        plan.gather_params()
+    with reuse_step_memory():
+        seconds = _interleaved_medians([reduce_and_gather], rounds)[0]
+    params = list(model.parameters())
+    return seconds / 2, len(params), sum(p.numel() for p in params)
 
 
 def _plain_step(model: GPT, x: torch.Tensor) -> float:
