@@ -4,7 +4,7 @@ waits (planner/timing.py adds the communication and the optimizer: `step_time`).
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
     compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
-                 + copies + step_overhead + split + cp) x busy   forward + backward (2x forward)
+                 + copies + step_overhead + split + cp + sp) x busy   forward + backward (2x forward)
     w         = h (h (1 + 1/t) / 2 under tp, with or without sequence parallelism): the activation
                 elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
     sp        = T x blocks x h x sp_elementwise with sequence parallelism: its redistributions' work

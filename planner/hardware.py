@@ -121,7 +121,8 @@ class Hardware:
     # of its reduce-scatters and all-gathers: seconds per tensor of the bucket (a pad and a slice
     # each) and per element (packed into one buffer before the call; after it the received rows
     # summed and divided, or split and copied into the parameters). local measures both on the
-    # fake process group (tools/calibrate_engines.py; about 5 us and 0.8 ns on the 2-core CPU).
+    # fake process group (tools/calibrate_engines.py; 5.6-6.4 us and 0.69-0.90 ns in 24 calibrations
+    # on the 2-core CPU).
     # Absent: no fixed part, and each element priced as ZERO_COPY_BYTES over memory_bandwidth
     # (planner/timing.py engine_copies)
     zero_overhead: float = 0.0

@@ -14,7 +14,7 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
                  what one costs on the backend in FSDP2's own pattern where the hardware measured it)
     copies    = ZeRO-1/2's packing around its calls: tensors x zero_overhead + elements x zero_copy, per
                 reduce-scatter and all-gather (ZERO_COPY_BYTES / memory bandwidth an element where the
-                hardware does not give zero_copy), x busy like the compute (the rank's cores do it)
+                hardware gives neither figure), x busy like the compute (the rank's cores do it)
     latency   = near_latency + (latency - near_latency) x min(1, gap / latency_gap) where the hardware
                 gives both (local: gloo's threads sleep between calls, so a call costs more the longer
                 the rank computed since its last one); gap = the rank's compute / its calls per step
@@ -73,9 +73,10 @@ from planner.schedule import bubble_fraction
 
 OPTIMIZER_BYTES = 32  # AdamW per element: read p, g, m, v (16) and write p, m, v (12), + the clip norm's read
 # ZeRO-1/2 per element of a bucket at n = 2 (parallel/zero_shard.py), each a read and a write of 4
-# bytes: a reduce-scatter pads each tensor (8) and concatenates them (8), gloo copies this rank's own
-# chunk (4), the rows are summed (6) and divided (4); an all-gather pads and concatenates the slice
-# (8), gloo copies it (4), the rows are split (8) and copied into the parameters (8). About 30 each
+# bytes: a reduce-scatter pads each tensor (8) and concatenates them (8), the backend copies this
+# rank's own chunk (4), the rows are summed (6) and divided (4); an all-gather pads and concatenates
+# the slice (8), the backend copies it (4), the rows are split (8) and copied into the parameters
+# (8). About 30 each (first order: a backend that moves its own chunk without a copy does less)
 ZERO_COPY_BYTES = 30
 
 
@@ -286,15 +287,17 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, te
 def engine_copies(traffic: list[Collective], lay: PlannedLayout, hw: Hardware) -> TimeTerm | None:
     """What the engine's own packing and unpacking around its collectives costs the rank's cores
     (ZeRO-1/2: Collective.copied_tensors and copied_elems), x busy_factor like the compute: the
-    hardware's zero_overhead per tensor and zero_copy per element, where it gives zero_copy; else
+    hardware's zero_overhead per tensor and zero_copy per element where it gives either (a
+    calibration whose noisy pair kept the fixed part alone gives zero_copy 0); else
     ZERO_COPY_BYTES per element at the memory bandwidth. None when the engine copies nothing."""
     tensors = sum(c.copied_tensors for c in traffic)
     elems = sum(c.copied_elems for c in traffic)
     if not elems:
         return None
-    per_element = hw.zero_copy or ZERO_COPY_BYTES / hw.memory_bandwidth
+    measured = bool(hw.zero_copy or hw.zero_overhead)
+    per_element = hw.zero_copy if measured else ZERO_COPY_BYTES / hw.memory_bandwidth
     seconds = (tensors * hw.zero_overhead + elems * per_element) * busy_factor(lay, hw)
     how = (f"{tensors} tensors x {hw.zero_overhead * 1e6:.3g} us + {elems:,} elements x {per_element * 1e9:.3g} ns"
-           if hw.zero_copy else f"{elems:,} elements x {ZERO_COPY_BYTES} B / memory bandwidth")
+           if measured else f"{elems:,} elements x {ZERO_COPY_BYTES} B / memory bandwidth")
     return TimeTerm("ZeRO bucket copies", seconds, seconds,
                     f"{how} (packed before and unpacked after each reduce-scatter and all-gather)")

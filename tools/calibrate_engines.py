@@ -7,7 +7,9 @@ is closed.
   plain tiny GPT (DTensor dispatch and redistribution);
 - sp_overhead, sp_elementwise: what sequence parallelism adds to a tp 2 GPT, a fixed part per block
   and one per activation element (tokens x width per block), from the tiny GPT and a wider one
-  (`two_part`; its sharded LayerNorms' saving and its redistributions' copies together);
+  (`two_part`; its sharded LayerNorms' saving and its redistributions' copies together: the fake
+  group copies for sp's gathers and reduce-scatters, not for tp's all-reduces, so a little of what
+  gloo's link figures hold is in it too, first order);
 - fsdp_overhead, fsdp_copy: what FSDP2 (2 ranks) adds, split into a fixed cost per block (its hooks)
   and one per parameter element (the copies into and out of the gather and reduce-scatter
   buffers, which a tiny model cannot show) from the tiny GPT and a wide shallow one (`two_part`);
@@ -23,7 +25,7 @@ is closed.
   cp 2; planner/compute.py scales the ring's by cp - 1;
 - zero_overhead, zero_copy: what the project's ZeRO-1/2 engine (parallel/zero_shard.py, 2 ranks)
   costs around each reduce-scatter and all-gather, its packing and unpacking of a bucket, per tensor
-  and per element, from the tiny GPT and a wide one of 25 MB (`_zero_copies`), timed while glibc
+  and per element, from the tiny GPT and a wide one of 25 MB taking turns (`_zero_copies`), timed while glibc
   keeps the freed memory as trainer.host_memory=reuse does (returned to the kernel at every free,
   the same work measured 5x as long on 1-4 MB tensors: the fresh mappings' page faults);
 - plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds;
@@ -57,8 +59,9 @@ ENGINE_WIDE = (2, 256, 16, 2)
 # the second cp GPT: each cp rank's 16 sequences of 16 positions, 256 wide (a few ms of math a block)
 CP_WIDE = (2, 256, 16, 16)
 CP_MODES = ("ring", "allgather")
-# the second ZeRO-1/2 GPT: 6.3M parameters, 25 MB, larger than the CPU's last-level cache as a
-# model's buckets are (ENGINE_MODEL's 0.2M fit in it)
+# the second ZeRO-1/2 GPT: 6.3M parameters, 25 MB, one bucket whose parameters, gradients and
+# packed copies together outgrow the 2-core machine's 32 MiB last-level cache, as a model's do
+# (ENGINE_MODEL's 0.2M stay in it)
 ZERO_WIDE = (2, 512, 16, 2)
 # the second tp and sp GPT: 8 sequences of 128 positions, 128 wide (131k activation elements a block)
 SP_WIDE = (2, 128, 128, 8)
@@ -171,10 +174,12 @@ def engines(threads: int) -> dict:
     cp = {mode: two_part(*((median[f"cp {mode}{w}"] - median[f"plain cp{w}"], shape[0], shape[0] * shape[1] * shape[2] * shape[3])
                            for w, shape in (("", ENGINE_MODEL), (" wide", CP_WIDE)))) for mode in CP_MODES}
     optimizer = _dtensor_optimizer(models["fsdp"][0])
-    zero_overhead, zero_copy = two_part(*(_zero_copies(engine_gpt(shape)) for shape in (ENGINE_MODEL, ZERO_WIDE)))
+    plain_step = _plain_step(engine_gpt(ENGINE_MODEL), small)
+    # last: reuse_step_memory leaves glibc at main.py's lean setting, not where it found it
+    zero_overhead, zero_copy = two_part(*_zero_copies([engine_gpt(shape) for shape in (ENGINE_MODEL, ZERO_WIDE)]))
     dist.destroy_process_group()
     return {"tp_overhead": tp, "sp_overhead": sp[0], "sp_elementwise": sp[1], "fsdp_overhead": fsdp, "fsdp_copy": copy,
-            "dtensor_optimizer_overhead": optimizer, "plain_step": _plain_step(engine_gpt(ENGINE_MODEL), small),
+            "dtensor_optimizer_overhead": optimizer, "plain_step": plain_step,
             "fsdp_step": median["fsdp"],  # FSDP2's host work alone: tools/calibrate.py fsdp_call_latency
             "zero_overhead": zero_overhead, "zero_copy": zero_copy,
             **{f"cp_{mode}_overhead": cp[mode][0] for mode in CP_MODES},
@@ -216,24 +221,30 @@ def _dtensor_optimizer(sharded: GPT, rounds: int = 15) -> float:
     return max(0.0, (dtensor - tensors) / len(params))
 
 
-def _zero_copies(model: GPT, rounds: int = 9) -> tuple[float, int, int]:
-    """(seconds, tensors, elements) of one ZeRO-1/2 collective's packing and unpacking: rank 0 of 2
-    on the fake process group (its calls return at once, writing nothing) reduces every bucket and
-    gathers the parameters back as parallel/zero_shard.py does in a step; the median of `rounds`
-    (after WARMUP) over the two collectives, under trainer.host_memory=reuse's glibc setting."""
-    plan = ShardPlan([model], decay_groups([model], 0.1), 2, 0, DEFAULT_BUCKET_MB, dist.group.WORLD)
-    wrapped = ZeroDataParallel(model, plan, keep_full_grads=True)  # stage 1: the gradients stay for the next round
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
+def _zero_copies(models: list[GPT], rounds: int = 9) -> list[tuple[float, int, int]]:
+    """Per model, (seconds, tensors, elements) of one ZeRO-1/2 collective's packing and unpacking:
+    rank 0 of 2 on the fake process group reduces every bucket and gathers the parameters back as
+    parallel/zero_shard.py does in a step; the median of `rounds` (after WARMUP, the models taking
+    turns) over the two collectives, under trainer.host_memory=reuse's glibc setting. The fake
+    group's calls return at once but copy as a backend would: its all-gather fills every chunk with
+    this rank's, its reduce-scatter copies this rank's chunk (about 12 bytes an element for the
+    two). On gloo the project's reduce-scatter sums the received rows instead (parallel/collectives.py,
+    about 10 bytes), which the fake group's branch skips: first order, one stands for the other."""
+    steps = []
+    for model in models:
+        plan = ShardPlan([model], decay_groups([model], 0.1), 2, 0, DEFAULT_BUCKET_MB, dist.group.WORLD)
+        wrapped = ZeroDataParallel(model, plan, keep_full_grads=True)  # stage 1: the gradients stay for the next round
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
 
-    def reduce_and_gather():
-        for bucket in plan.buckets:
-            wrapped._reduce(bucket)
-        plan.gather_params()
+        def reduce_and_gather(plan=plan, wrapped=wrapped):
+            for bucket in plan.buckets:
+                wrapped._reduce(bucket)
+            plan.gather_params()
+        steps.append(reduce_and_gather)
     with reuse_step_memory():
-        seconds = _interleaved_medians([reduce_and_gather], rounds)[0]
-    params = list(model.parameters())
-    return seconds / 2, len(params), sum(p.numel() for p in params)
+        seconds = _interleaved_medians(steps, rounds)
+    return [(s / 2, len(list(m.parameters())), sum(p.numel() for p in m.parameters())) for s, m in zip(seconds, models)]
 
 
 def _plain_step(model: GPT, x: torch.Tensor) -> float:
