@@ -138,21 +138,22 @@ class Zero1Costs(EngineCosts):
         return ((self.gradient_copies * bucket + ceil_div(bucket, self.ranks)) * PARAM_BYTES,
                 ["largest ZeRO bucket: " + self.bucket_note])
 
-    def gradient_reduction(self, k: int, buckets: int, tensors: int) -> Collective:
+    def gradient_reduction(self, padded: int, buckets: int, tensors: int) -> Collective:
+        k = padded * PARAM_BYTES
         return Collective("reduce-scatter", self.group, "gradients, in the last micro-batch's backward",
                           k, ring_volume(k, self.ranks), "K(n-1)/n", calls=buckets,
-                          copied_tensors=tensors, copied_elems=k // PARAM_BYTES)
+                          copied_tensors=tensors, copied_elems=padded)
 
     def collectives(self, held: RankTensors) -> list[Collective]:
         # every tensor is padded to n equal chunks of ceil(numel / n) (parallel/zero_shard.py): at
         # dp 512 the padding of a small GPT's tensors is 1.9% of its bytes (found by the dry run's
         # sweep, benchmarks/dry_run_sweep.py)
-        k = sum(self.share(t.spec.shape) for t in held) * self.ranks * PARAM_BYTES
-        buckets = zero_buckets(held, self.bucket_cap_bytes)
+        padded = sum(self.share(t.spec.shape) for t in held) * self.ranks
+        k, buckets, tensors = padded * PARAM_BYTES, zero_buckets(held, self.bucket_cap_bytes), len(held.tensors)
         # each call packs its bucket's tensors and unpacks what it receives (parallel/zero_shard.py)
-        return [self.gradient_reduction(k, buckets, len(held.tensors)),
+        return [self.gradient_reduction(padded, buckets, tensors),
                 Collective("all-gather", self.group, "updated parameter slices", k, ring_volume(k, self.ranks), "K(n-1)/n",
-                           calls=buckets, copied_tensors=len(held.tensors), copied_elems=k // PARAM_BYTES)]
+                           calls=buckets, copied_tensors=tensors, copied_elems=padded)]
 
 
 @dataclass(frozen=True)
@@ -163,11 +164,11 @@ class Zero2Costs(Zero1Costs):
     gradient_copies: ClassVar[int] = 2
     bucket_note: ClassVar[str] = "its full gradients + packed copy + slice"
 
-    def gradient_reduction(self, k: int, buckets: int, tensors: int) -> Collective:
-        m = self.microbatches
+    def gradient_reduction(self, padded: int, buckets: int, tensors: int) -> Collective:
+        m, k = self.microbatches, padded * PARAM_BYTES
         return Collective("reduce-scatter", self.group, f"gradients on each of {m} micro-batch(es)",
                           k * m, ring_volume(k * m, self.ranks), "m K(n-1)/n", calls=buckets * m,
-                          copied_tensors=tensors * m, copied_elems=k * m // PARAM_BYTES)
+                          copied_tensors=tensors * m, copied_elems=padded * m)
 
 
 def zero_bucket_sizes(held: RankTensors, cap_bytes: float) -> list[int]:

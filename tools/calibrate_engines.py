@@ -113,6 +113,13 @@ def fsdp_step(model: GPT, x: torch.Tensor, rounds: int = ROUNDS) -> float:
     return _interleaved_medians([lambda: lm_loss(model(x), x).backward()], rounds)[0]
 
 
+def activation_elements(shape: tuple[int, int, int, int]) -> int:
+    """Tokens x width summed over the blocks of a GPT of `shape`: what `two_part` counts per
+    activation element."""
+    layers, width, positions, sequences = shape
+    return layers * width * positions * sequences
+
+
 def engine_tokens(shape: tuple[int, int, int, int], stretch: int = 1) -> torch.Tensor:
     """A rank's tokens for a GPT of `shape` (`stretch` x longer sequences, as many fewer)."""
     return torch.randint(0, 64, (shape[3] // stretch, shape[2] * stretch))
@@ -167,11 +174,11 @@ def engines(threads: int) -> dict:
     median = _medians(models)
     tp = max(0.0, (median["tp"] - median["plain"]) / ENGINE_MODEL[0])
     # what sequence parallelism adds to tp's, per block and per activation element of its blocks
-    sp = two_part(*((median[f"sp{w}"] - median[f"tp{w}"], shape[0], shape[0] * shape[1] * shape[2] * shape[3])
+    sp = two_part(*((median[f"sp{w}"] - median[f"tp{w}"], shape[0], activation_elements(shape))
                     for w, shape in (("", ENGINE_MODEL), (" wide", SP_WIDE))))
     fsdp, copy = two_part(*((median[f"fsdp{w}"] - median[f"plain{w}"], shape[0], models[f"plain{w}"][0].num_params(
         exclude_position=False)) for w, shape in (("", ENGINE_MODEL), (" wide", ENGINE_WIDE))))
-    cp = {mode: two_part(*((median[f"cp {mode}{w}"] - median[f"plain cp{w}"], shape[0], shape[0] * shape[1] * shape[2] * shape[3])
+    cp = {mode: two_part(*((median[f"cp {mode}{w}"] - median[f"plain cp{w}"], shape[0], activation_elements(shape))
                            for w, shape in (("", ENGINE_MODEL), (" wide", CP_WIDE)))) for mode in CP_MODES}
     optimizer = _dtensor_optimizer(models["fsdp"][0])
     plain_step = _plain_step(engine_gpt(ENGINE_MODEL), small)
@@ -244,7 +251,7 @@ def _zero_copies(models: list[GPT], rounds: int = 9) -> list[tuple[float, int, i
         steps.append(reduce_and_gather)
     with reuse_step_memory():
         seconds = _interleaved_medians(steps, rounds)
-    return [(s / 2, len(list(m.parameters())), sum(p.numel() for p in m.parameters())) for s, m in zip(seconds, models)]
+    return [(s / 2, len(list(m.parameters())), m.num_params(exclude_position=False)) for s, m in zip(seconds, models)]
 
 
 def _plain_step(model: GPT, x: torch.Tensor) -> float:
