@@ -132,6 +132,8 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nzero_copy: -1.0e-9\n", "needs zero_copy: a positive number"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nzero_overhead: slow\n", "needs zero_overhead: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nsp_elementwise: -2.0e-9\n", "needs sp_elementwise: a positive number"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
