@@ -4,7 +4,11 @@ waits (planner/timing.py adds the communication and the optimizer: `step_time`).
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
     compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
-                 + copies + step_overhead + split + cp + sp) x busy   forward + backward (2x forward)
+                 + passes + copies + step_overhead + split + cp + sp) x busy   forward + backward (2x forward)
+    passes    = W x M x weight_pass: each matmul call's cost per weight element whatever its rows (the
+                kernel packs or streams its weight once a call), W = the rank's matmul weight elements
+                (its blocks' tp-local ones, the LM head's on the last stage); the same FLOPs in more
+                micro-batches cost more
     w         = h (h (1 + 1/t) / 2 under tp, with or without sequence parallelism): the activation
                 elements per token a block's element-wise work (LayerNorm, GELU, softmax, adds) goes through
     sp        = T x blocks x h x sp_elementwise with sequence parallelism: its redistributions' work
@@ -13,7 +17,8 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
     overhead  = block_overhead (+ tp_overhead with tp > 1, + sp_overhead with sequence parallelism)
                 (+ fsdp_overhead under FSDP2)     fixed host work
     copies    = fsdp_copy x its parameter elements x M under FSDP2: the copies in and out of its buffers
-    recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M + cp) / 3   activation checkpointing
+    recompute = T x F_blocks / (peak x efficiency) + (element-wise + overhead x blocks x M + the blocks'
+                passes + cp) / 3   activation checkpointing
     F         = 2 x (matmul weights of its blocks, tp-local) + 4 s h x blocks / t + 2 V_local h (last stage)
     cp        = blocks x (cp_<mode>_overhead x M + T x h / t x cp_<mode>_elementwise) (x (cp - 1) for the
                 ring)   context parallelism's attention beyond one fused attention over the same pairs
@@ -43,10 +48,20 @@ def forward_flops_per_token(g: GPTConfig, lay: PlannedLayout, held: RankTensors,
     """(all of this rank's forward FLOPs per token, those of its blocks): 2 per matmul weight element,
     4 s h / t per block of attention scores and values (PaLM's 12 L h s per token is 3x this),
     the LM head 2 V h (V / t with a vocabulary-parallel head)."""
-    weights = sum(t.elems for t in held if t.spec.where == "block" and len(t.shape) == 2)
+    weights = block_weights(held)
     blocks = 2 * weights + held.blocks * 4 * g.block_size * g.n_embd / lay.tp
-    head = 2 * ceil_div(g.vocab_size, lay.tp if lay.tp_vocab_parallel else 1) * g.n_embd if last else 0
-    return blocks + head, blocks
+    return blocks + 2 * head_weights(g, lay, last), blocks
+
+
+def block_weights(held: RankTensors) -> int:
+    """The matmul weight elements of this rank's blocks (tp-local; whole under FSDP2, which gathers
+    them before use)."""
+    return sum(t.elems for t in held if t.spec.where == "block" and len(t.shape) == 2)
+
+
+def head_weights(g: GPTConfig, lay: PlannedLayout, last: bool) -> int:
+    """The LM head's weight elements on the last stage, V h (V / t with a vocabulary-parallel head)."""
+    return ceil_div(g.vocab_size, lay.tp if lay.tp_vocab_parallel else 1) * g.n_embd if last else 0
 
 
 def causal_pairs(first: int, count: int) -> int:
@@ -98,12 +113,16 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     # runs once a step where micro-batches accumulate unsynchronised); recomputation copies nothing
     copies = hw.fsdp_copy * held.elems * lay.microbatches if fsdp_sharded(lay) else 0.0
     elementwise = tokens * held.blocks * activation_width(g, lay) * hw.elementwise  # through the blocks
+    # every matmul call's pass over its weight, once per micro-batch whatever its rows
+    passes = (block_weights(held) + head_weights(g, lay, last)) * lay.microbatches * hw.weight_pass
     if lay.tp > 1 and lay.sequence_parallel:  # its redistributions' copies beyond plain tp's (calibrated)
         elementwise += tokens * held.blocks * g.n_embd * hw.sp_elementwise
     split = split_seconds(g, lay, held.blocks - unsplit, hw)
     cp = context_parallel_extra(g, lay, held, hw, tokens)
-    compute = tokens * 3 * fwd / rate + elementwise + overhead + copies + hw.step_overhead + split + cp
-    recompute = (tokens * fwd_blocks / rate + (elementwise + overhead + cp) / 3) if lay.activation_checkpointing else 0.0
+    compute = tokens * 3 * fwd / rate + elementwise + overhead + passes + copies + hw.step_overhead + split + cp
+    blocks_passes = block_weights(held) * lay.microbatches * hw.weight_pass
+    recompute = ((tokens * fwd_blocks / rate + (elementwise + overhead + blocks_passes + cp) / 3)
+                 if lay.activation_checkpointing else 0.0)
     busy = busy_factor(lay, hw)  # every device of the node computes
     return compute * busy, recompute * busy
 

@@ -131,6 +131,13 @@ class Hardware:
     # parallelism's redistributions cost beyond plain tp's work, with sp_overhead's fixed part per
     # block (local measures both on the fake process group: tools/calibrate_engines.py). Absent: 0
     sp_elementwise: float = 0.0
+    # seconds per matmul weight element per micro-batch: what each matmul call costs for its weight
+    # whatever its rows (the kernel packs the weight, or streams it from memory, once per call: one
+    # call in forward, two in backward). Per optimizer step it grows with the micro-batches at the
+    # same FLOPs: on the 2-core CPU a 4-block stack at 64-512 wide, the same 512 tokens as 8
+    # micro-batches against 1, paid 0.96-1.02 ns more a weight element a micro-batch (2026-11-29).
+    # local measures it (tools/calibrate.py weight_pass_rate). Absent: 0, not priced
+    weight_pass: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -198,7 +205,7 @@ def hardware_of(raw, where: str) -> Hardware:
                                                                "cp_ring_overhead", "cp_ring_elementwise",
                                                                "cp_allgather_overhead", "cp_allgather_elementwise",
                                                                "fsdp_call_latency", "zero_overhead", "zero_copy",
-                                                               "sp_elementwise")))
+                                                               "sp_elementwise", "weight_pass")))
 
 
 def _link(raw: dict, key: str, where: str) -> Link:

@@ -134,6 +134,8 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nzero_overhead: slow\n", "needs zero_overhead: a positive number"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nsp_elementwise: -2.0e-9\n", "needs sp_elementwise: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nweight_pass: fast\n", "needs weight_pass: a positive number"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -170,6 +172,8 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     # ZeRO-1/2's packing: a part per tensor and one per element; sequence parallelism's per element
     assert first.zero_overhead + first.zero_copy > 0 and second.zero_copy == first.zero_copy
     assert second.sp_elementwise == first.sp_elementwise  # may be 0: a noisy pair fell back to the fixed part
+    # each matmul call's pass over its weight: 64 against 256 wide, 0.25 against 0.87 ms a block by hand
+    assert first.weight_pass > 0 and second.weight_pass == first.weight_pass
 
 
 def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):
@@ -527,6 +531,32 @@ def test_elementwise_work_costs_per_activation_element(tmp_path, overrides, widt
     assert with_it - without == pytest.approx(tokens * (4 // lay.pp) * width * 1e-9), overrides
 
 
+@pytest.mark.parametrize("overrides, weights", [
+    (("parallel.strategy=ddp",), 4 * 12 * 32 * 32 + 65 * 32),
+    (("parallel.strategy=fsdp",), 4 * 12 * 32 * 32 + 65 * 32),  # gathered whole before use
+    (("parallel.strategy=none", "parallel.tp=2"), 4 * 6 * 32 * 32 + 65 * 32),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.tp_vocab_parallel=true"), 4 * 6 * 32 * 32 + 33 * 32),
+    (("parallel.strategy=ddp", "trainer.micro_batch_size=2"), 2 * (4 * 12 * 32 * 32 + 65 * 32)),
+    (("parallel.strategy=none", "parallel.pp=2", "parallel.microbatches=4"), 4 * (2 * 12 * 32 * 32 + 65 * 32)),
+    (("parallel.strategy=ddp", "parallel.activation_checkpointing=true"), 4 * 12 * 32 * 32 * 4 / 3 + 65 * 32)])
+def test_every_matmul_weight_costs_its_pass_per_micro_batch(tmp_path, overrides, weights):
+    """The hardware's `weight_pass` seconds per matmul weight element per micro-batch are added to
+    the compute (TINY: 4 blocks of 32, 12 x 32^2 weights each, the 65 x 32 LM head, batch 8 over
+    2 ranks): tp-local weights, the head split by a vocabulary-parallel head, twice with two
+    micro-batches of the same tokens, the last pipeline stage's blocks and head per micro-batch,
+    the blocks' forward again (a third) under activation checkpointing; a description without it
+    (every GPU file) is unchanged."""
+    base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False)
+    priced = dataclasses.replace(base, weight_pass=1e-9)
+    overrides = overrides if any("micro_batch_size" in o for o in overrides) else (*overrides, "trainer.micro_batch_size=0")
+
+    def compute(hw):
+        cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", *overrides])
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+        return sum(t.seconds for t in lp.time.terms if t.name in ("compute", "recompute"))
+    assert compute(priced) - compute(base) == pytest.approx(weights * 1e-9), overrides
+
+
 def test_calibration_separates_matmul_efficiency_from_elementwise_work(monkeypatch):
     """compute_rates solves the two blocks' times for both unknowns: blocks timed as a CPU of
     efficiency 0.8 and 2 ns per activation element would run give back 0.8 and 2 ns; times that
@@ -551,6 +581,29 @@ def test_calibration_separates_matmul_efficiency_from_elementwise_work(monkeypat
     monkeypatch.setattr(calibrate, "measure_block", timed(1.02, 40e-9))
     efficiency, elementwise = calibrate.compute_rates(overhead)
     assert efficiency == 1 and 35e-9 < elementwise < 37e-9
+    # blocks that also pay 5 ns per weight element for their one pass over the 12 w^2 weights:
+    # given the weight pass, the same efficiency and element-wise cost come back (the pass is
+    # priced apart per micro-batch: counting it in the efficiency too would price it twice)
+    def with_pass(w, s, b, repeats):
+        return timed(0.8, 2e-9)(w, s, b, repeats) + 12 * w * w * 5e-9
+    monkeypatch.setattr(calibrate, "measure_block", with_pass)
+    assert calibrate.compute_rates(overhead, 5e-9) == pytest.approx((0.8, 2e-9))
+    assert calibrate.compute_rates(overhead)[0] < 0.79
+
+
+def test_weight_pass_is_the_slope_of_a_micro_batchs_extra_over_the_weights(monkeypatch):
+    """weight_pass_rate: each extra block-micro-batch costs a fixed part + weight elements x the
+    pass; two stacks' extras give the slope (the fixed part cancels); a noisy pair whose wider
+    stack's extra is the smaller gives 0, never a negative cost. measure_pass counts a GPT block's
+    12 w^2 matmul weight elements."""
+    from tools import calibrate
+    monkeypatch.setattr(calibrate, "measure_pass", lambda w, rounds: (12 * w * w, 2e-4 + 12 * w * w * 8e-10))
+    assert calibrate.weight_pass_rate() == pytest.approx(8e-10)
+    monkeypatch.setattr(calibrate, "measure_pass", lambda w, rounds: (12 * w * w, 1e-3 - w * 1e-6))
+    assert calibrate.weight_pass_rate() == 0.0
+    monkeypatch.undo()
+    weights, extra = calibrate.measure_pass(16, rounds=1)
+    assert weights == 12 * 16 * 16 and isinstance(extra, float)
 
 
 def _pp_terms(tmp_path, hw, *overrides):

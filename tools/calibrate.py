@@ -76,12 +76,15 @@ SPLIT_BLOCKS = 2  # blocks in each of those stages
 SPLIT_MICROBATCHES = 4  # micro-batches of the schedules that time them
 SMALL, LARGE = 1024, 2 * 2**20  # float32 elements of the latency (4 KB) and the bandwidth (8 MB) all-reduce
 LINK_KINDS, LINK_ROUNDS = ("all-reduce", "all-gather", "all-to-all"), 4
+PASS_WIDTHS = (64, 256)  # widths of the two block stacks that measure weight_pass_rate
+PASS_STACK = (4, 32, 16, 8)  # their blocks, positions, sequences, and the micro-batches split against one
 GAP_MATMULS = 20  # 256 x 256 matmuls before each far call of the link (about 6 ms on one core: latency_gap records it)
 
 
 def measure_local() -> dict:
     overhead = measure_block(32, 16, 1, repeats=20)
-    efficiency, elementwise = compute_rates(overhead)
+    weight_pass = weight_pass_rate()
+    efficiency, elementwise = compute_rates(overhead, weight_pass)
     figures = measure_link_and_engines()
     # the step's fixed cost outside the blocks (embedding, head and loss, clip, the optimizer's
     # per-tensor work, zero_grad): the tiny GPT's whole step less its blocks' fixed cost
@@ -89,14 +92,16 @@ def measure_local() -> dict:
     split_overhead, split_elementwise = split_rates()
     return {**figures, "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": overhead,
             "compute_efficiency": efficiency, "step_overhead": step_overhead, "elementwise": elementwise,
-            "split_backward_overhead": split_overhead, "split_backward_elementwise": split_elementwise}
+            "split_backward_overhead": split_overhead, "split_backward_elementwise": split_elementwise,
+            "weight_pass": weight_pass}
 
 
-def compute_rates(overhead: float) -> tuple[float, float]:
+def compute_rates(overhead: float, weight_pass: float = 0.0) -> tuple[float, float]:
     """(compute efficiency, seconds per activation element per block) from two blocks of the same
-    tokens, EFFICIENCY_BLOCK's width and NARROW_WIDTH's: less the fixed overhead, each block takes
+    tokens, EFFICIENCY_BLOCK's width and NARROW_WIDTH's: less the fixed overhead and the one pass
+    over its 12 w^2 weights (`weight_pass_rate`, priced apart per micro-batch), each block takes
 
-        t_w - overhead = 3 F_w tokens / (peak x efficiency) + tokens x w x elementwise
+        t_w - overhead - 12 w^2 x weight_pass = 3 F_w tokens / (peak x efficiency) + tokens x w x elementwise
 
     (F_w = 24 w^2 + 4 s w forward FLOPs per token: the matmuls at the peak's efficiency; the
     element-wise work, LayerNorms, GELU, softmax, residual and bias adds, in proportion to the
@@ -112,8 +117,8 @@ def compute_rates(overhead: float) -> tuple[float, float]:
     # taking turns as the best of 7 rounds of 3 (efficiency 0.96-1.0 in a grid's 8 calibrations)
     # and as the median of 9 rounds (0.81-0.91): their grids had 36 and 24 of 112 rows outside
     # 20%, this way's 10 and 11 (before the clamp below; docs/planner.md, the grid)
-    busy = {w: max(measure_block(w, positions, sequences, repeats=3 if w == width else 7) - overhead, 1e-9)
-            for w in (width, NARROW_WIDTH)}
+    busy = {w: max(measure_block(w, positions, sequences, repeats=3 if w == width else 7) - overhead
+                   - 12 * w * w * weight_pass, 1e-9) for w in (width, NARROW_WIDTH)}
     # t = a x + n c, with x = 1 / efficiency, c = elementwise, n = tokens x w
     (a1, n1, t1), (a2, n2, t2) = ((flops[w], tokens * w, busy[w]) for w in (width, NARROW_WIDTH))
     det = a1 * n2 - a2 * n1
@@ -126,6 +131,34 @@ def compute_rates(overhead: float) -> tuple[float, float]:
     if c <= 0:
         return min(1.0, a1 / t1), 0.0
     return 1 / x, c
+
+
+def weight_pass_rate(rounds: int = 7) -> float:
+    """Seconds per matmul weight element per micro-batch (the hardware's weight_pass): each matmul
+    call packs or streams its weight whatever its rows, so the same tokens in more micro-batches
+    cost more at the same FLOPs. `measure_pass` at PASS_WIDTHS: each extra block-micro-batch costs
+    a fixed part (the block overhead's) + the block's weight elements x weight_pass, two equations
+    for the slope. A noisy pair that gives a negative slope gives 0 (not priced)."""
+    (n1, e1), (n2, e2) = (measure_pass(w, rounds) for w in PASS_WIDTHS)
+    return max(0.0, (e2 - e1) / (n2 - n1))
+
+
+def measure_pass(width: int, rounds: int) -> tuple[int, float]:
+    """(a block's matmul weight elements, the seconds each extra micro-batch costs a block): a
+    PASS_STACK stack of blocks' forward + backward over the same tokens split into its micro-batches
+    against one, the median of interleaved rounds, per block per extra micro-batch."""
+    blocks, positions, sequences, micro = PASS_STACK
+    stack = torch.nn.Sequential(*[Block(GPTConfig(block_size=positions, n_embd=width, n_head=4, dropout=0.0))
+                                  for _ in range(blocks)])
+    x = torch.randn(sequences, positions, width)
+
+    def step(m: int) -> None:
+        for chunk in x.chunk(m):
+            stack(chunk).sum().backward()
+    step(1), step(micro)  # warm-up
+    extra = sorted(timed(lambda: step(micro)) - timed(lambda: step(1)) for _ in range(rounds))
+    weights = sum(p.numel() for p in stack[0].parameters() if p.dim() == 2)
+    return weights, extra[rounds // 2] / (blocks * (micro - 1))
 
 
 def split_rates() -> tuple[float, float]:
