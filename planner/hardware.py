@@ -10,6 +10,7 @@ is not a complete description, is one line and exit 2.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,13 +135,20 @@ class Hardware:
     # seconds per matmul weight element per micro-batch: what each matmul call costs for its weight
     # whatever its rows (the kernel packs the weight, or streams it from memory, once per call: one
     # call in forward, two in backward). Per optimizer step it grows with the micro-batches at the
-    # same FLOPs: on the 2-core CPU a 4-block stack at 64-512 wide, the same 512 tokens as 8
-    # micro-batches against 1, paid 0.96-1.02 ns more a weight element a micro-batch (2026-11-29).
-    # local measures it (tools/calibrate.py weight_pass_rate). Absent: 0, not priced
+    # same FLOPs: on the 2-core CPU a 4-block stack's 512 tokens as 8 micro-batches against 1 paid,
+    # per block per extra micro-batch, 0.22 ms at 64 wide, 0.76 at 256, 1.69 at 384 and 3.21 at 512:
+    # a fixed part and about 0.75 ns a weight element (the slope over 64 and 256 wide: 0.67-0.84 ns in
+    # three calibrations, 2026-11-29). local measures it (tools/calibrate.py weight_pass_rate).
+    # Absent: 0, not priced
     weight_pass: float = 0.0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
+
+
+# the Hardware fields a description may leave out (absent: 0, not priced), each a cost in seconds
+# (fixed, or per element) or latency_gap's seconds of compute; read by name
+OPTIONAL_COSTS = tuple(f.name for f in dataclasses.fields(Hardware) if f.type == "float" and f.default == 0.0)
 
 
 def shipped_names() -> list[str]:
@@ -195,17 +203,10 @@ def hardware_of(raw, where: str) -> Hardware:
                     parse_bytes(str(raw.get("memory")), f"--hardware file '{where}' memory"),
                     {k: _number(peaks, k, where) for k in DTYPES if k in peaks},
                     _number(raw, "memory_bandwidth", where), links["intra_node"], links["inter_node"],
-                    efficiency, *(_optional(raw, key, where) for key in ("block_overhead", "tp_overhead", "fsdp_overhead", "sp_overhead",
-                                                               "step_overhead", "elementwise")),
-                    _flag(raw, "overlap", where, True), _flag(raw, "shared_node", where, False),
-                    _flag(raw, "reduce_scatter_as_all_reduce", where, False), _slowdown(raw, where),
-                    links["all_gather_link"], links["reduce_scatter_link"],
-                    *(_optional(raw, key, where) for key in ("split_backward_overhead", "split_backward_elementwise",
-                                                               "fsdp_copy", "dtensor_optimizer_overhead", "latency_gap",
-                                                               "cp_ring_overhead", "cp_ring_elementwise",
-                                                               "cp_allgather_overhead", "cp_allgather_elementwise",
-                                                               "fsdp_call_latency", "zero_overhead", "zero_copy",
-                                                               "sp_elementwise", "weight_pass")))
+                    efficiency, overlap=_flag(raw, "overlap", where, True), shared_node=_flag(raw, "shared_node", where, False),
+                    reduce_scatter_as_all_reduce=_flag(raw, "reduce_scatter_as_all_reduce", where, False),
+                    busy_node_slowdown=_slowdown(raw, where), gather_link=links["all_gather_link"],
+                    scatter_link=links["reduce_scatter_link"], **{key: _optional(raw, key, where) for key in OPTIONAL_COSTS})
 
 
 def _link(raw: dict, key: str, where: str) -> Link:

@@ -145,6 +145,21 @@ def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
+def test_every_optional_hardware_cost_is_read_into_its_own_field(tmp_path):
+    """A hardware file giving each optional cost its own value gets each back under its own name
+    (a field added to Hardware between others once shifted every later figure by one place)."""
+    from planner.hardware import OPTIONAL_COSTS
+    given = {key: (i + 1) * 1e-6 for i, key in enumerate(OPTIONAL_COSTS)}
+    spec = tmp_path / "hw.yaml"
+    spec.write_text("name: x\ndevices_per_node: 8\nmemory: 80GB\npeak_flops: {fp32: 1.0e+12}\n"
+                    "intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+                    "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nbusy_node_slowdown: 1.25\n"
+                    + "".join(f"{key}: {value}\n" for key, value in given.items()))
+    hw = load_hardware(str(spec))
+    assert {key: getattr(hw, key) for key in OPTIONAL_COSTS} == given
+    assert "weight_pass" in given and hw.busy_node_slowdown == 1.25 and hw.overlap and not hw.shared_node
+
+
 @pytest.mark.launch
 def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MINGPT_PEAK_CACHE", str(tmp_path / "peak-flops.json"))
