@@ -14,8 +14,12 @@
   timed in one process on torch's fake process group (tools/calibrate_engines.py);
 - FSDP2's calls on gloo: the tiny GPT under FSDP2 on the 2 processes' gloo group, less the same on
   the fake process group and less the bytes, per call (fsdp_call_latency);
+- weight pass: what each matmul call costs for its weight whatever its rows (the kernel packs or
+  streams it once a call), per weight element per micro-batch: a 4-block stack at 64 and at 256
+  wide, 16 x 32 tokens as 8 micro-batches against 1, the slope of the extra over the weights
+  (weight_pass_rate); the same FLOPs in a pipeline's micro-batches cost more;
 - compute efficiency and element-wise cost: forward + backward of a 256-wide and a 64-wide block
-  on the same 8 x 128 tokens, less the block overhead: the matmuls' fraction of the peak and the
+  on the same 8 x 128 tokens, less the block overhead and one weight pass: the matmuls' fraction of the peak and the
   seconds per activation element of the rest (LayerNorm, GELU, softmax, adds), two equations in
   two unknowns (compute_rates). One efficiency alone, measured at 256 wide, priced a narrow
   model's element-wise work by its FLOPs, too little: the 2-process grid of
