@@ -114,13 +114,13 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     copies = hw.fsdp_copy * held.elems * lay.microbatches if fsdp_sharded(lay) else 0.0
     elementwise = tokens * held.blocks * activation_width(g, lay) * hw.elementwise  # through the blocks
     # every matmul call's pass over its weight, once per micro-batch whatever its rows
-    passes = (block_weights(held) + head_weights(g, lay, last)) * lay.microbatches * hw.weight_pass
+    blocks_passes = block_weights(held) * lay.microbatches * hw.weight_pass
+    passes = blocks_passes + head_weights(g, lay, last) * lay.microbatches * hw.weight_pass
     if lay.tp > 1 and lay.sequence_parallel:  # its redistributions' copies beyond plain tp's (calibrated)
         elementwise += tokens * held.blocks * g.n_embd * hw.sp_elementwise
     split = split_seconds(g, lay, held.blocks - unsplit, hw)
     cp = context_parallel_extra(g, lay, held, hw, tokens)
     compute = tokens * 3 * fwd / rate + elementwise + overhead + passes + copies + hw.step_overhead + split + cp
-    blocks_passes = block_weights(held) * lay.microbatches * hw.weight_pass
     recompute = ((tokens * fwd_blocks / rate + (elementwise + overhead + blocks_passes + cp) / 3)
                  if lay.activation_checkpointing else 0.0)
     busy = busy_factor(lay, hw)  # every device of the node computes

@@ -137,9 +137,9 @@ class Hardware:
     # call in forward, two in backward). Per optimizer step it grows with the micro-batches at the
     # same FLOPs: on the 2-core CPU a 4-block stack's 512 tokens as 8 micro-batches against 1 paid,
     # per block per extra micro-batch, 0.22 ms at 64 wide, 0.76 at 256, 1.69 at 384 and 3.21 at 512:
-    # a fixed part and about 0.75 ns a weight element (the slope over 64 and 256 wide: 0.67-0.84 ns in
-    # three calibrations, 2026-11-29). local measures it (tools/calibrate.py weight_pass_rate).
-    # Absent: 0, not priced
+    # a fixed part and 0.73 ns a weight element between 64 and 256 wide, 1.04 between 256 and 512
+    # (2026-11-29; 0.57-1.58 ns in the 40 calibrations of docs/grid-n2-x5-weightpass). local
+    # measures it (tools/calibrate.py weight_pass_rate). Absent: 0, not priced
     weight_pass: float = 0.0
 
     def peak(self, dtype: str) -> float:
@@ -148,7 +148,7 @@ class Hardware:
 
 # the Hardware fields a description may leave out (absent: 0, not priced), each a cost in seconds
 # (fixed, or per element) or latency_gap's seconds of compute; read by name
-OPTIONAL_COSTS = tuple(f.name for f in dataclasses.fields(Hardware) if f.type == "float" and f.default == 0.0)
+OPTIONAL_COSTS = tuple(f.name for f in dataclasses.fields(Hardware) if f.type in ("float", float) and f.default == 0.0)
 
 
 def shipped_names() -> list[str]:

@@ -208,6 +208,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
                       f"TFLOP/s ({dtype})"
                       f"{f' + {hw.elementwise * 1e9:.3g} ns x tokens x blocks x width' if hw.elementwise else ''}"
                       f" + {block_overhead(lay, hw) * 1e3:.3g} ms x blocks x M"
+                      f"{f' + {hw.weight_pass * 1e9:.3g} ns x matmul weights x M' if hw.weight_pass else ''}"
                       f"{f' + {hw.fsdp_copy * 1e9:.3g} ns x parameters x M (FSDP2 copies)' if hw.fsdp_copy and fsdp_sharded(lay) else ''}"
                       f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
                       f"{' + the split backward (zero-bubble)' if splits_backward(lay) else ''}"

@@ -63,6 +63,7 @@ from model import Block, GPTConfig
 from observe.perf import cpu_peak
 from tools.calibrate_engines import (
     ENGINE_MODEL,
+    ENGINE_VOCAB,
     engine_gpt,
     engine_tokens,
     engines,
@@ -86,13 +87,17 @@ GAP_MATMULS = 20  # 256 x 256 matmuls before each far call of the link (about 6 
 
 
 def measure_local() -> dict:
-    overhead = measure_block(32, 16, 1, repeats=20)
     weight_pass = weight_pass_rate()
+    # the 32-wide block's time less its one pass over its 12 x 32^2 weights (priced apart)
+    overhead = max(0.0, measure_block(32, 16, 1, repeats=20) - 12 * 32 * 32 * weight_pass)
     efficiency, elementwise = compute_rates(overhead, weight_pass)
     figures = measure_link_and_engines()
     # the step's fixed cost outside the blocks (embedding, head and loss, clip, the optimizer's
-    # per-tensor work, zero_grad): the tiny GPT's whole step less its blocks' fixed cost
-    step_overhead = max(0.0, figures.pop("plain_step") - ENGINE_MODEL[0] * overhead)
+    # per-tensor work, zero_grad): the tiny GPT's whole step less its blocks' fixed cost and its
+    # matmuls' passes over their weights (the blocks' 12 w^2 each, the head's vocabulary x w)
+    layers, width = ENGINE_MODEL[:2]
+    passes = (layers * 12 * width * width + ENGINE_VOCAB * width) * weight_pass
+    step_overhead = max(0.0, figures.pop("plain_step") - layers * overhead - passes)
     split_overhead, split_elementwise = split_rates()
     return {**figures, "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": overhead,
             "compute_efficiency": efficiency, "step_overhead": step_overhead, "elementwise": elementwise,
@@ -159,8 +164,13 @@ def measure_pass(width: int, rounds: int) -> tuple[int, float]:
     def step(m: int) -> None:
         for chunk in x.chunk(m):
             stack(chunk).sum().backward()
+    def split_less_whole(r: int) -> float:
+        # the two orders take turns: neither always runs on the caches the other left
+        order = (micro, 1) if r % 2 else (1, micro)
+        times = {m: timed(lambda m=m: step(m)) for m in order}
+        return times[micro] - times[1]
     step(1), step(micro)  # warm-up
-    extra = sorted(timed(lambda: step(micro)) - timed(lambda: step(1)) for _ in range(rounds))
+    extra = sorted(split_less_whole(r) for r in range(rounds))
     weights = sum(p.numel() for p in stack[0].parameters() if p.dim() == 2)
     return weights, extra[rounds // 2] / (blocks * (micro - 1))
 

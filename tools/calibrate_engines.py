@@ -53,6 +53,7 @@ from parallel.zero_shard import ShardPlan, ZeroDataParallel
 DEFAULT_BUCKET_MB = ParallelConfig.bucket_cap_mb  # the engine's buckets as a default launch makes them
 
 ENGINE_MODEL = (4, 64, 16, 2)  # blocks, width, positions, sequences of the engine-overhead GPT
+ENGINE_VOCAB = 64  # the vocabulary of every GPT timed here
 # the second FSDP2 GPT, wide and shallow (its math about a ms): with ENGINE_MODEL it separates FSDP2's
 # fixed cost per block from its cost per parameter element (the copies in and out)
 ENGINE_WIDE = (2, 256, 16, 2)
@@ -91,8 +92,8 @@ class LocalRing(Ring):
 def engine_gpt(shape: tuple[int, int, int, int], positions: int | None = None) -> GPT:
     layers, width, block, _ = shape
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=64, block_size=positions or block, n_layer=layers, n_head=4, n_embd=width,
-                         dropout=0.0))
+    return GPT(GPTConfig(vocab_size=ENGINE_VOCAB, block_size=positions or block, n_layer=layers, n_head=4,
+                         n_embd=width, dropout=0.0))
 
 
 def fully_sharded(model: GPT, mesh) -> GPT:
@@ -122,7 +123,7 @@ def activation_elements(shape: tuple[int, int, int, int]) -> int:
 
 def engine_tokens(shape: tuple[int, int, int, int], stretch: int = 1) -> torch.Tensor:
     """A rank's tokens for a GPT of `shape` (`stretch` x longer sequences, as many fewer)."""
-    return torch.randint(0, 64, (shape[3] // stretch, shape[2] * stretch))
+    return torch.randint(0, ENGINE_VOCAB, (shape[3] // stretch, shape[2] * stretch))
 
 
 def _context_parallel(shape: tuple[int, int, int, int], mode: str) -> GPT:
