@@ -84,9 +84,15 @@ def write_error_file(line: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    with open(path, "w", encoding="utf-8") as f:
+    # whole or not at all: torchrun's agent reads the file as soon as the worker is gone, and a
+    # worker killed while writing it (a second signal, torchrun's own SIGKILL of the group) left it
+    # empty, on which the agent itself crashed (json.decoder.JSONDecodeError) instead of restarting
+    # the group; a rename is atomic
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         json.dump({"message": {"message": line, "extraInfo": {
             "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    os.replace(tmp, path)
 
 
 def pick_device(cfg: Config, local_rank: int, config_file: str | None = None,

@@ -22,6 +22,7 @@ import main as app
 import sample
 from checks import load_config
 from launch.schedule import lr_at, total_steps
+from parallel import env as penv
 from parallel.env import init_distributed
 from testing.local import CORPUS, DEVICE, TINY, python
 
@@ -263,3 +264,24 @@ def test_host_memory_reuse_wraps_the_training_loop_only(setting, tmp_path, monke
 
 def snapshot_names(run: Path) -> list[str]:
     return [p.name for p in (run / "snapshots").iterdir()] if (run / "snapshots").exists() else []
+
+
+def test_the_error_file_for_torchrun_is_whole_or_absent_when_its_writer_dies(tmp_path, monkeypatch):
+    """torchrun's agent reads a dead worker's TORCHELASTIC_ERROR_FILE and crashed with a
+    JSONDecodeError on an empty one (a worker killed while writing it: seen once in CI's random
+    kills). A write cut off halfway leaves no file behind; a finished one is valid JSON naming the line."""
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def dies_halfway(obj, f):
+        f.write('{"message": ')
+        f.flush()
+        raise KeyboardInterrupt  # the process stopped in the middle of the write
+    monkeypatch.setattr(penv.json, "dump", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        penv.write_error_file("error: boom")
+    assert not path.exists()
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    penv.write_error_file("error: boom")
+    assert json.loads(path.read_text())["message"]["message"] == "error: boom"
