@@ -89,20 +89,25 @@ GAP_MATMULS = 20  # 256 x 256 matmuls before each far call of the link (about 6 
 def measure_local() -> dict:
     weight_pass = weight_pass_rate()
     # the 32-wide block's time less its one pass over its 12 x 32^2 weights (priced apart)
-    overhead = max(0.0, measure_block(32, 16, 1, repeats=20) - 12 * 32 * 32 * weight_pass)
+    overhead = max(0.0, measure_block(32, 16, 1, repeats=20) - block_matmul_weights(32) * weight_pass)
     efficiency, elementwise = compute_rates(overhead, weight_pass)
     figures = measure_link_and_engines()
     # the step's fixed cost outside the blocks (embedding, head and loss, clip, the optimizer's
     # per-tensor work, zero_grad): the tiny GPT's whole step less its blocks' fixed cost and its
     # matmuls' passes over their weights (the blocks' 12 w^2 each, the head's vocabulary x w)
     layers, width = ENGINE_MODEL[:2]
-    passes = (layers * 12 * width * width + ENGINE_VOCAB * width) * weight_pass
+    passes = (layers * block_matmul_weights(width) + ENGINE_VOCAB * width) * weight_pass
     step_overhead = max(0.0, figures.pop("plain_step") - layers * overhead - passes)
     split_overhead, split_elementwise = split_rates()
     return {**figures, "memory_bandwidth": measure_memory_bandwidth(), "block_overhead": overhead,
             "compute_efficiency": efficiency, "step_overhead": step_overhead, "elementwise": elementwise,
             "split_backward_overhead": split_overhead, "split_backward_elementwise": split_elementwise,
             "weight_pass": weight_pass}
+
+
+def block_matmul_weights(width: int) -> int:
+    """A GPT block's matmul weight elements: q, k, v and the projection 4 w^2, the MLP 8 w^2."""
+    return 12 * width * width
 
 
 def compute_rates(overhead: float, weight_pass: float = 0.0) -> tuple[float, float]:
@@ -127,7 +132,7 @@ def compute_rates(overhead: float, weight_pass: float = 0.0) -> tuple[float, flo
     # and as the median of 9 rounds (0.81-0.91): their grids had 36 and 24 of 112 rows outside
     # 20%, this way's 10 and 11 (before the clamp below; docs/planner.md, the grid)
     busy = {w: max(measure_block(w, positions, sequences, repeats=3 if w == width else 7) - overhead
-                   - 12 * w * w * weight_pass, 1e-9) for w in (width, NARROW_WIDTH)}
+                   - block_matmul_weights(w) * weight_pass, 1e-9) for w in (width, NARROW_WIDTH)}
     # t = a x + n c, with x = 1 / efficiency, c = elementwise, n = tokens x w
     (a1, n1, t1), (a2, n2, t2) = ((flops[w], tokens * w, busy[w]) for w in (width, NARROW_WIDTH))
     det = a1 * n2 - a2 * n1
