@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from config import Config, UsageError
+from storage.files import atomic_write
 
 FLIGHT_RECORDER_ENTRIES = 2000  # the newest collectives each rank keeps (a few steps of FSDP's)
 DEFAULT_PG_TIMEOUT_S = 600.0  # every process group's; MINGPT_PG_TIMEOUT overrides it
@@ -84,15 +85,16 @@ def write_error_file(line: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
     # whole or not at all: torchrun's agent reads the file as soon as the worker is gone, and a
     # worker killed while writing it (a second signal, torchrun's own SIGKILL of the group) left it
     # empty, on which the agent itself crashed (json.decoder.JSONDecodeError) instead of restarting
-    # the group; a rename is atomic
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"message": {"message": line, "extraInfo": {
-            "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
-    os.replace(tmp, path)
+    # the group
+    atomic_write(Path(path), write)
 
 
 def pick_device(cfg: Config, local_rank: int, config_file: str | None = None,
