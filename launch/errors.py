@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import typing
 import warnings
 
@@ -67,7 +68,9 @@ def error_line(e: BaseException) -> str | None:
 class OneLineErrors(ErrorHandler):
     """What `record` writes to this worker's TORCHELASTIC_ERROR_FILE, the file torchrun's failure
     summary shows (its py_callstack; without a file: "To enable traceback see ..."). For our one-line
-    errors it holds that line instead of a traceback; other exceptions keep torch's traceback.
+    errors it holds that line instead of a traceback; other exceptions keep torch's record (the
+    exception and its traceback). Either is written whole or not at all: torchrun's agent crashes on
+    a half-written file (a worker killed while writing it) instead of restarting the group.
 
     Every rank meets the same bad input at about the same time, and torchrun's summary names the
     failure with the earliest error-file timestamp as root cause and lists every other failed rank
@@ -82,10 +85,10 @@ class OneLineErrors(ErrorHandler):
 
     def record_exception(self, e: BaseException) -> None:
         line, path = error_line(e), self._get_error_file_path()
-        if line is None:
-            return super().record_exception(e)
         if not path:  # not a torchrun worker: nothing reads an error file
             return None
+        if line is None:  # a bug: torch's record (the exception and its traceback), written whole
+            return write_error_file(f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
         if int(os.environ.get("RANK", "0")) != 0:
             time.sleep(RANK0_FIRST_S)
         write_error_file(line)

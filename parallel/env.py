@@ -79,13 +79,14 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def write_error_file(line: str) -> None:
+def write_error_file(line: str, callstack: str | None = None) -> None:
     """`line` as torchrun's failure summary shows it for this worker (TORCHELASTIC_ERROR_FILE;
-    nothing outside torchrun)."""
+    nothing outside torchrun), with `callstack` as its traceback (default: the line itself)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line if callstack is None else callstack,
+                                                         "timestamp": str(int(time.time()))}}}
 
     def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as f:

@@ -21,6 +21,7 @@ import export
 import main as app
 import sample
 from checks import load_config
+from launch.errors import OneLineErrors
 from launch.schedule import lr_at, total_steps
 from parallel import env as penv
 from parallel.env import init_distributed
@@ -285,3 +286,27 @@ def test_the_error_file_for_torchrun_is_whole_or_absent_when_its_writer_dies(tmp
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
     penv.write_error_file("error: boom")
     assert json.loads(path.read_text())["message"]["message"] == "error: boom"
+
+
+def test_a_bugs_traceback_in_the_error_file_is_whole_or_absent_when_its_writer_dies(tmp_path, monkeypatch):
+    """The same for an exception that is a bug (torch's own record, which keeps the traceback): a
+    write cut off halfway leaves no file; a finished one names the exception and holds its traceback."""
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def dies_halfway(obj, f):
+        f.write('{"message": ')
+        f.flush()
+        raise KeyboardInterrupt
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError as e:
+        with monkeypatch.context() as m:
+            m.setattr(json, "dump", dies_halfway)
+            with pytest.raises(KeyboardInterrupt):
+                OneLineErrors().record_exception(e)
+        assert not path.exists()
+        OneLineErrors().record_exception(e)
+    message = json.loads(path.read_text())["message"]
+    assert message["message"] == "RuntimeError: a bug"
+    assert 'raise RuntimeError("a bug")' in message["extraInfo"]["py_callstack"]
