@@ -202,7 +202,8 @@ def ddp_reference(tmp_path_factory) -> Path:
 # model (a signal or a kill lands mid-training), a snapshot every 10 steps, the cosine over all 120
 # (a resume at the wrong point of the schedule changes the result). Snapshots change no number, so
 # the tests whose runs save at other steps (or only when stopped) compare with it too.
-LONG_DDP_REFERENCE = TINY + ["parallel.strategy=ddp", "model.n_embd=64", "trainer.max_steps=120",
+LONG_STEPS = 120
+LONG_DDP_REFERENCE = TINY + ["parallel.strategy=ddp", "model.n_embd=64", f"trainer.max_steps={LONG_STEPS}",
                              "trainer.save_every=10", "trainer.log_every=10", "trainer.eval_every=40",
                              "trainer.sample_tokens=0"]
 

@@ -20,7 +20,7 @@ import torch
 
 import export as export_cmd
 import sample as sample_cmd
-from conftest import LONG_DDP_REFERENCE
+from conftest import LONG_DDP_REFERENCE, LONG_STEPS
 from harness import StreamedLaunch, app_in_process, metric_steps, model_tensors
 from testing.local import TINY, python, torchrun_argv, worker_pids
 
@@ -140,7 +140,19 @@ def launch_and_kill(run_dir: Path, kills: int, env: dict, after: str, max_restar
             # a line of the attempt just killed can still arrive after the kill, and a kill timed from
             # it would land in the next attempt's start-up
             job.wait_for(lambda: attempt_trains(job.lines, seen))
-            time.sleep(rnd.uniform(0.0, 1.5))  # a random moment: mid-step, mid-save, mid-eval
+            # a random moment: past the progress line of a random logged step, a random part of the
+            # next 10 steps (mid-step, mid-save, mid-eval). Drawn in steps, not seconds: 70 steps
+            # take 0.6 s on a fast machine, and a delay of up to 1.5 s drawn in seconds landed after
+            # the run's end (seed 2), so one of the kills never happened. Each kill leaves 10 steps
+            # for each kill after it, and the last 10 untouched.
+            steps = attempt_steps(job.lines, seen)
+            if not steps:  # the launch ended
+                break
+            first = steps[0]
+            last = LONG_STEPS - 20 - 10 * (kills - 1 - k)
+            target = rnd.choice(range(first, max(first, last) + 1, 10))
+            job.wait_for(lambda: max(attempt_steps(job.lines, seen), default=0) >= target)
+            time.sleep(rnd.uniform(0.0, 0.05))
             pids = worker_pids(job.proc.pid)
             if job.proc.poll() is not None or not pids:
                 break
@@ -153,6 +165,13 @@ def launch_and_kill(run_dir: Path, kills: int, env: dict, after: str, max_restar
             seen = len(job.lines)
         rc = job.proc.wait(timeout=300)
     return rc, job.output()
+
+
+def attempt_steps(lines: list[str], start: int) -> list[int]:
+    """The steps of the progress lines ("step 60/120 ...") printed by the attempt whose start-up
+    line ("run: ...") is the first at or after `start`."""
+    began = next((i for i in range(start, len(lines)) if lines[i].startswith("run: ")), len(lines))
+    return [int(m.group(1)) for line in lines[began + 1:] if (m := re.match(r"step (\d+)/", line))]
 
 
 def attempt_trains(lines: list[str], start: int) -> bool:
@@ -178,6 +197,7 @@ def test_sigkill_mid_save_then_at_random_moments_restarts_and_matches(long_ddp_r
     resumes = re.findall(r"resumed from (\S+) at step (\d+)", out)
     assert resumes[:1] == [(str(snaps / "step_0000050"), "50")], seed + out[-4000:]  # the killed save's restart
     assert out.count("[test] killed worker") == 2, seed + out[-4000:]
+    assert len(resumes) == 3, seed + out[-4000:]  # each random kill landed mid-training: its restart resumed
     # the kill mid-save fails the group's collective and torchrun's SIGTERM reaches rank 0 as its
     # error unwinds: its line names the step and the newest snapshot, not a start-up
     assert "during start-up" not in out, seed + out[-4000:]
