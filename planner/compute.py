@@ -4,7 +4,9 @@ waits (planner/timing.py adds the communication and the optimizer: `step_time`).
 Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tokens of its dp rank):
 
     compute   = (T x 3 F / (peak x efficiency) + T x blocks x w x elementwise + overhead x blocks x M
-                 + passes + copies + step_overhead + split + cp + sp) x busy   forward + backward (2x forward)
+                 + passes + copies + step_overhead + split + cp + sp + vocab) x busy   forward + backward (2x forward)
+    vocab     = vocab_overhead x M on the last stage under tp with the vocabulary-parallel head: its
+                embedding, head and loss_parallel cross-entropy's host work (DTensor), whatever the blocks
     passes    = W x M x weight_pass: each matmul call's cost per weight element whatever its rows (the
                 kernel packs or streams its weight once a call), W = the rank's matmul weight elements
                 (its blocks' tp-local ones, the LM head's on the last stage); the same FLOPs in more
@@ -120,7 +122,11 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
         elementwise += tokens * held.blocks * g.n_embd * hw.sp_elementwise
     split = split_seconds(g, lay, held.blocks - unsplit, hw)
     cp = context_parallel_extra(g, lay, held, hw, tokens)
-    compute = tokens * 3 * fwd / rate + elementwise + overhead + passes + copies + hw.step_overhead + split + cp
+    # the vocabulary-parallel embedding, head and cross-entropy's host work, once per micro-batch
+    # (first order: all of it on the last stage, where the head and the loss are; the embedding's
+    # masked lookup and its all-reduce's dispatch are the smaller part)
+    vocab = hw.vocab_overhead * lay.microbatches if lay.tp > 1 and lay.tp_vocab_parallel and last else 0.0
+    compute = tokens * 3 * fwd / rate + elementwise + overhead + passes + copies + hw.step_overhead + split + cp + vocab
     recompute = ((tokens * fwd_blocks / rate + (elementwise + overhead + blocks_passes + cp) / 3)
                  if lay.activation_checkpointing else 0.0)
     busy = busy_factor(lay, hw)  # every device of the node computes

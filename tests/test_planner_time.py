@@ -24,7 +24,9 @@ from checks import load_config
 from model import GPT
 from planner import local_hardware, timing
 from planner.auto import resolved_config
+from planner.compute import rank_compute
 from planner.hardware import OPTIONAL_COSTS, Link, load_hardware
+from planner.inventory import stage_tensors
 from planner.schedule import zero_bubble_span
 from planner.timing import group_link
 from testing.local import REPO, TINY, python
@@ -137,6 +139,8 @@ def test_plan_ranks_by_time_and_explains_terms(tmp_path, capsys):
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nsp_elementwise: -2.0e-9\n", "needs sp_elementwise: a positive number"),
     ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nweight_pass: fast\n", "needs weight_pass: a positive number"),
+    ("FILE+intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\ninter_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
+     "memory_bandwidth: 1.0e+9\ncompute_efficiency: 0.5\nvocab_overhead: -1.0e-3\n", "needs vocab_overhead: a positive number"),
 ])
 def test_bad_hardware_one_line_exit_2(tmp_path, capsys, spec, message):
     bad = tmp_path / "bad.yaml"
@@ -154,7 +158,7 @@ def test_every_optional_hardware_cost_is_read_into_its_own_field(tmp_path):
              "split_backward_overhead", "split_backward_elementwise", "fsdp_copy", "dtensor_optimizer_overhead",
              "latency_gap", "cp_ring_overhead", "cp_ring_elementwise", "cp_allgather_overhead",
              "cp_allgather_elementwise", "fsdp_call_latency", "zero_overhead", "zero_copy", "sp_elementwise",
-             "weight_pass")
+             "weight_pass", "vocab_overhead")
     assert sorted(OPTIONAL_COSTS) == sorted(names)
     given = {key: (i + 1) * 1e-6 for i, key in enumerate(names)}
     spec = tmp_path / "hw.yaml"
@@ -196,6 +200,8 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert second.sp_elementwise == first.sp_elementwise  # may be 0: a noisy pair fell back to the fixed part
     # each matmul call's pass over its weight: 64 against 256 wide, 0.22 against 0.76 ms a block by hand
     assert first.weight_pass > 0 and second.weight_pass == first.weight_pass
+    # the vocabulary-parallel head's host work per micro-batch (fake group: 0.7-2.0 ms by hand)
+    assert first.vocab_overhead > 0 and second.vocab_overhead == first.vocab_overhead
 
 
 def test_ranks_beyond_the_cores_of_a_shared_node_stretch_every_term(tmp_path):
@@ -587,6 +593,40 @@ def test_every_matmul_weight_costs_its_pass_per_micro_batch(tmp_path, overrides,
     assert with_it - without == pytest.approx(weights * 1e-9), overrides
     if "parallel.pp_schedule=zero_bubble" in overrides:
         assert bubble_with > bubble_without
+
+
+@pytest.mark.parametrize("overrides, micro_batches", [
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.tp_vocab_parallel=true"), 1),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.tp_vocab_parallel=true", "parallel.sequence_parallel=true"), 1),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.tp_vocab_parallel=true", "trainer.micro_batch_size=2"), 4),
+    (("parallel.strategy=none", "parallel.tp=2"), 0)])  # the head replicated: nothing
+def test_the_vocabulary_parallel_head_costs_its_host_work_per_micro_batch(tmp_path, overrides, micro_batches):
+    """The hardware's `vocab_overhead` seconds (the vocabulary-parallel embedding, head and
+    loss_parallel's host work) are added to the compute once per micro-batch under tp with the
+    vocabulary-parallel head, whatever the blocks; not with the head replicated."""
+    base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=2, overlap=False)
+    priced = dataclasses.replace(base, vocab_overhead=1e-3)
+
+    def compute(hw, extra=()):
+        cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", *overrides, *extra])
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 2), True, None, hw)
+        return next(t.seconds for t in lp.time.terms if t.name == "compute")
+    assert compute(priced) - compute(base) == pytest.approx(micro_batches * 1e-3), overrides
+    deeper = ("model.n_layer=8",)
+    assert compute(priced, deeper) - compute(base, deeper) == pytest.approx(micro_batches * 1e-3), overrides
+
+
+def test_the_vocabulary_parallel_head_is_priced_on_the_last_stage_only(tmp_path):
+    """Under pp the head and the loss are on the last stage: the first stage's compute is unchanged."""
+    base = dataclasses.replace(load_hardware("h100-sxm"), devices_per_node=4, overlap=False)
+    priced = dataclasses.replace(base, vocab_overhead=1e-3)
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "parallel.strategy=none", "parallel.tp=2",
+                                    "parallel.tp_vocab_parallel=true", "parallel.pp=2", "parallel.microbatches=4"])
+    g, lay = planner.gpt_config(cfg, 65), planner.check_layout(cfg, 4)
+    held = stage_tensors(g, lay)
+    for stage, last in ((0, False), (1, True)):
+        with_it, without = (rank_compute(g, lay, held[stage], last, hw, "fp32")[0] for hw in (priced, base))
+        assert with_it - without == pytest.approx(4e-3 if last else 0.0)
 
 
 def test_calibration_separates_matmul_efficiency_from_elementwise_work(monkeypatch):

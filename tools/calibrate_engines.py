@@ -5,6 +5,9 @@ is closed.
 
 - tp_overhead: what a tensor-parallel (tp 2) tiny GPT costs per block per micro-batch beyond the
   plain tiny GPT (DTensor dispatch and redistribution);
+- vocab_overhead: what the vocabulary-parallel embedding, LM head and loss_parallel cross-entropy
+  cost per micro-batch beyond the replicated ones, on the tp 2 tiny GPT (DTensor's dispatch; once a
+  step per micro-batch whatever the blocks);
 - sp_overhead, sp_elementwise: what sequence parallelism adds to a tp 2 GPT, a fixed part per block
   and one per activation element (tokens x width per block), from the tiny GPT and a wider one
   (`two_part`; its sharded LayerNorms' saving and its redistributions' copies together: the fake
@@ -34,11 +37,13 @@ is closed.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from config import ParallelConfig
@@ -145,9 +150,14 @@ def _interleaved_medians(calls: list, rounds: int = ROUNDS) -> list[float]:
     return [sorted(t)[len(t) // 2] for t in times]
 
 
-def _medians(models: dict[str, tuple[torch.nn.Module, torch.Tensor]]) -> dict[str, float]:
-    """The median forward + backward seconds of each (model, input), one step of each in turn."""
-    steps = [lambda model=model, x=x: lm_loss(model(x), x).backward() for model, x in models.values()]
+def _medians(models: dict[str, tuple[torch.nn.Module, torch.Tensor]], vocab_parallel: tuple[str, ...] = ()) -> dict[str, float]:
+    """The median forward + backward seconds of each (model, input), one step of each in turn; those
+    named in `vocab_parallel` under loss_parallel, as parallel/step.py runs a vocabulary-parallel head."""
+    def step(model, x, sharded_logits: bool) -> None:
+        with loss_parallel() if sharded_logits else contextlib.nullcontext():
+            lm_loss(model(x), x).backward()
+    steps = [lambda name=name, model=model, x=x: step(model, x, name in vocab_parallel)
+             for name, (model, x) in models.items()]
     return dict(zip(models, _interleaved_medians(steps)))
 
 
@@ -161,6 +171,7 @@ def engines(threads: int) -> dict:
     small, wide, cp_wide, sp_wide = (engine_tokens(shape) for shape in (ENGINE_MODEL, ENGINE_WIDE, CP_WIDE, SP_WIDE))
     models = {"plain": (engine_gpt(ENGINE_MODEL), small), "tp": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh), small),
               "sp": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh, sequence_parallel=True), small),
+              "tp vocab": (apply_tensor_parallel(engine_gpt(ENGINE_MODEL), mesh, vocab_parallel=True), small),
               "tp wide": (apply_tensor_parallel(engine_gpt(SP_WIDE), mesh), sp_wide),
               "sp wide": (apply_tensor_parallel(engine_gpt(SP_WIDE), mesh, sequence_parallel=True), sp_wide),
               "fsdp": (fully_sharded(engine_gpt(ENGINE_MODEL), mesh), small),
@@ -172,8 +183,9 @@ def engines(threads: int) -> dict:
     for mode in CP_MODES:
         models[f"cp {mode}"] = (_context_parallel(ENGINE_MODEL, mode), small)
         models[f"cp {mode} wide"] = (_context_parallel(CP_WIDE, mode), cp_wide)
-    median = _medians(models)
+    median = _medians(models, vocab_parallel=("tp vocab",))
     tp = max(0.0, (median["tp"] - median["plain"]) / ENGINE_MODEL[0])
+    vocab = max(0.0, median["tp vocab"] - median["tp"])  # one micro-batch, once whatever the blocks
     # what sequence parallelism adds to tp's, per block and per activation element of its blocks
     sp = two_part(*((median[f"sp{w}"] - median[f"tp{w}"], shape[0], activation_elements(shape))
                     for w, shape in (("", ENGINE_MODEL), (" wide", SP_WIDE))))
@@ -186,7 +198,7 @@ def engines(threads: int) -> dict:
     # last: reuse_step_memory leaves glibc at main.py's lean setting, not where it found it
     zero_overhead, zero_copy = two_part(*_zero_copies([engine_gpt(shape) for shape in (ENGINE_MODEL, ZERO_WIDE)]))
     dist.destroy_process_group()
-    return {"tp_overhead": tp, "sp_overhead": sp[0], "sp_elementwise": sp[1], "fsdp_overhead": fsdp, "fsdp_copy": copy,
+    return {"tp_overhead": tp, "vocab_overhead": vocab, "sp_overhead": sp[0], "sp_elementwise": sp[1], "fsdp_overhead": fsdp, "fsdp_copy": copy,
             "dtensor_optimizer_overhead": optimizer, "plain_step": plain_step,
             "fsdp_step": median["fsdp"],  # FSDP2's host work alone: tools/calibrate.py fsdp_call_latency
             "zero_overhead": zero_overhead, "zero_copy": zero_copy,
