@@ -144,8 +144,9 @@ class Hardware:
     # seconds per micro-batch that tensor parallelism's vocabulary-parallel embedding, LM head and
     # loss_parallel cross-entropy cost the host beyond the replicated ones (DTensor's dispatch of the
     # masked lookup, the sharded logits' max, sum of exponentials and target logit), once a step per
-    # micro-batch whatever the blocks: on the fake process group at tp 2, 1.0-3.2 ms at 64-256 wide
-    # over 32-2,048 tokens (2026-11-29). local measures it (tools/calibrate_engines.py). Absent: 0
+    # micro-batch whatever the blocks: on the fake process group at tp 2, 1.0-3.4 ms by hand at
+    # 64-256 wide over 32-2,048 tokens, 0.28-1.69 ms in the 40 calibrations of
+    # docs/grid-n2-x5-vocab (2026-11-29). local measures it (tools/calibrate_engines.py). Absent: 0
     vocab_overhead: float = 0.0
 
     def peak(self, dtype: str) -> float:

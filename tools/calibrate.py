@@ -10,7 +10,8 @@
 - memory bandwidth: the best copy of a 64 MB tensor (the optimizer step streams model state);
 - block overhead: forward + backward of one tiny GPT block, whose FLOPs take microseconds: what
   remains is the per-operator cost every block pays whatever its size (Python, dispatch, threads);
-- engine overheads: what tensor, sequence, FSDP2 and context parallelism cost beyond a plain GPT,
+- engine overheads: what tensor, sequence, FSDP2 and context parallelism (and tp's
+  vocabulary-parallel head) cost beyond a plain GPT,
   timed in one process on torch's fake process group (tools/calibrate_engines.py);
 - FSDP2's calls on gloo: the tiny GPT under FSDP2 on the 2 processes' gloo group, less the same on
   the fake process group and less the bytes, per call (fsdp_call_latency);
