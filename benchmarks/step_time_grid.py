@@ -99,6 +99,7 @@ def figures(hw) -> str:
             f"{hw.fsdp_copy * 1e9:.2f} ns a parameter, {1e3 * hw.fsdp_call_latency:.2f} ms a call at least, DTensor AdamW {hw.dtensor_optimizer_overhead * 1e6:.1f} us a tensor, "
             f"ZeRO copies {hw.zero_overhead * 1e6:.1f} us a tensor + {hw.zero_copy * 1e9:.2f} ns an element, "
             f"weight pass {hw.weight_pass * 1e9:.2f} ns a weight element a micro-batch, "
+            f"vocabulary-parallel head {1e3 * hw.vocab_overhead:.2f} ms a micro-batch, "
             f"cp ring {1e3 * hw.cp_ring_overhead:.2f} ms + {hw.cp_ring_elementwise * 1e9:.1f} ns, cp allgather "
             f"{1e3 * hw.cp_allgather_overhead:.2f} ms + {hw.cp_allgather_elementwise * 1e9:.1f} ns; "
             f"latency after {1e3 * hw.latency_gap:.1f} ms of compute: "

@@ -140,19 +140,22 @@ def launch_and_kill(run_dir: Path, kills: int, env: dict, after: str, max_restar
             # a line of the attempt just killed can still arrive after the kill, and a kill timed from
             # it would land in the next attempt's start-up
             job.wait_for(lambda: attempt_trains(job.lines, seen))
-            # a random moment: past the progress line of a random logged step, a random part of the
-            # next 10 steps (mid-step, mid-save, mid-eval). Drawn in steps, not seconds: 70 steps
-            # take 0.6 s on a fast machine, and a delay of up to 1.5 s drawn in seconds landed after
-            # the run's end (seed 2), so one of the kills never happened. Each kill leaves 10 steps
-            # for each kill after it, and the last 10 untouched.
+            started = time.monotonic()
+            # a random moment: past the progress line of a random logged step after this attempt's
+            # first, a random part of the next 10 steps (mid-step, mid-save, mid-eval), timed by
+            # this attempt's own pace. Drawn in steps, not seconds: 70 steps take 0.6 s on a fast
+            # machine, and a delay of up to 1.5 s drawn in seconds landed after the run's end (seed
+            # 2), so one of the kills never happened. Each kill leaves 10 steps for each kill after
+            # it, and the last 10 untouched.
             steps = attempt_steps(job.lines, seen)
             if not steps:  # the launch ended
                 break
             first = steps[0]
             last = LONG_STEPS - 20 - 10 * (kills - 1 - k)
-            target = rnd.choice(range(first, max(first, last) + 1, 10))
+            target = rnd.choice(range(first + 10, max(first + 10, last) + 1, 10))
             job.wait_for(lambda: max(attempt_steps(job.lines, seen), default=0) >= target)
-            time.sleep(rnd.uniform(0.0, 0.05))
+            pace = (time.monotonic() - started) / ((target - first) // 10)  # seconds per 10 steps
+            time.sleep(rnd.uniform(0.0, 0.9 * pace))
             pids = worker_pids(job.proc.pid)
             if job.proc.poll() is not None or not pids:
                 break

@@ -185,7 +185,10 @@ def engines(threads: int) -> dict:
         models[f"cp {mode} wide"] = (_context_parallel(CP_WIDE, mode), cp_wide)
     median = _medians(models, vocab_parallel=("tp vocab",))
     tp = max(0.0, (median["tp"] - median["plain"]) / ENGINE_MODEL[0])
-    vocab = max(0.0, median["tp vocab"] - median["tp"])  # one micro-batch, once whatever the blocks
+    # one micro-batch, once whatever the blocks; the head's halved matmul (V / t rows) is in the
+    # difference too, a saving of microseconds at this vocabulary and width, which the planner
+    # prices apart through its FLOPs
+    vocab = max(0.0, median["tp vocab"] - median["tp"])
     # what sequence parallelism adds to tp's, per block and per activation element of its blocks
     sp = two_part(*((median[f"sp{w}"] - median[f"tp{w}"], shape[0], activation_elements(shape))
                     for w, shape in (("", ENGINE_MODEL), (" wide", SP_WIDE))))
