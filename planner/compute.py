@@ -125,7 +125,7 @@ def rank_compute(g: GPTConfig, lay: PlannedLayout, held: RankTensors, last: bool
     # the vocabulary-parallel embedding, head and cross-entropy's host work, once per micro-batch
     # (first order: all of it on the last stage, where the head and the loss are; the embedding's
     # masked lookup and its all-reduce's dispatch are the smaller part)
-    vocab = hw.vocab_overhead * lay.microbatches if lay.tp > 1 and lay.tp_vocab_parallel and last else 0.0
+    vocab = hw.vocab_overhead * lay.microbatches if lay.tp_vocab_parallel and last else 0.0  # set only under tp
     compute = tokens * 3 * fwd / rate + elementwise + overhead + passes + copies + hw.step_overhead + split + cp + vocab
     recompute = ((tokens * fwd_blocks / rate + (elementwise + overhead + blocks_passes + cp) / 3)
                  if lay.activation_checkpointing else 0.0)

@@ -212,7 +212,7 @@ def step_time(g: GPTConfig, lay: PlannedLayout, held: list[RankTensors], traffic
                       f"{f' + {hw.fsdp_copy * 1e9:.3g} ns x parameters x M (FSDP2 copies)' if hw.fsdp_copy and fsdp_sharded(lay) else ''}"
                       f"{f' + {hw.step_overhead * 1e3:.3g} ms per step' if hw.step_overhead else ''}"
                       f"{' + the split backward (zero-bubble)' if splits_backward(lay) else ''}"
-                      f"{f' + {hw.vocab_overhead * 1e3:.3g} ms x M (vocabulary-parallel head, last stage)' if hw.vocab_overhead and lay.tp > 1 and lay.tp_vocab_parallel else ''}"
+                      f"{f' + {hw.vocab_overhead * 1e3:.3g} ms x M (vocabulary-parallel head, last stage)' if hw.vocab_overhead and lay.tp_vocab_parallel else ''}"
                       f"{f' + context parallelism attention ({lay.cp_mode})' if lay.cp > 1 else ''}"
                       f"{f', x {hw.busy_node_slowdown:.3g} on a busy node' if hw.busy_node_slowdown > 1 and world > 1 else ''}")]
     if lay.activation_checkpointing:

@@ -267,17 +267,19 @@ def snapshot_names(run: Path) -> list[str]:
     return [p.name for p in (run / "snapshots").iterdir()] if (run / "snapshots").exists() else []
 
 
+def dies_halfway(obj, f):
+    """json.dump that writes part of the record, then the process stops (a kill mid-write)."""
+    f.write('{"message": ')
+    f.flush()
+    raise KeyboardInterrupt
+
+
 def test_the_error_file_for_torchrun_is_whole_or_absent_when_its_writer_dies(tmp_path, monkeypatch):
     """torchrun's agent reads a dead worker's TORCHELASTIC_ERROR_FILE and crashed with a
     JSONDecodeError on an empty one (a worker killed while writing it: seen once in CI's random
     kills). A write cut off halfway leaves no file behind; a finished one is valid JSON naming the line."""
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
-
-    def dies_halfway(obj, f):
-        f.write('{"message": ')
-        f.flush()
-        raise KeyboardInterrupt  # the process stopped in the middle of the write
     monkeypatch.setattr(penv.json, "dump", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
         penv.write_error_file("error: boom")
@@ -293,11 +295,6 @@ def test_a_bugs_traceback_in_the_error_file_is_whole_or_absent_when_its_writer_d
     write cut off halfway leaves no file; a finished one names the exception and holds its traceback."""
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
-
-    def dies_halfway(obj, f):
-        f.write('{"message": ')
-        f.flush()
-        raise KeyboardInterrupt
     try:
         raise RuntimeError("a bug")
     except RuntimeError as e:
