@@ -118,6 +118,12 @@ class Hardware:
     # the 2-core CPU about a ms a call even with little compute between calls, where a call right
     # after another measures 0.15-1.0 ms. Absent: 0, FSDP2's calls priced like any other
     fsdp_call_latency: float = 0.0
+    # seconds per byte a rank sends in FSDP2's own all-gathers and reduce-scatters inside a node,
+    # measured in FSDP2's pattern on the backend with fsdp_call_latency (local: a wide 2-rank FSDP2 GPT
+    # beside the tiny one, tools/calibrate_engines.py fsdp_call_costs). On the 2-core CPU 1.0-1.4 ns
+    # (0.7-1.0 GB/s), where gloo's all-gather and all-to-all timed alone moved 1.1-2.7 GB/s.
+    # Absent: 0, FSDP2's bytes priced at the links' bandwidths like any other call's
+    fsdp_byte_time: float = 0.0
     # what the project's ZeRO-1/2 engine (parallel/zero_shard.py) costs the rank's cores around each
     # of its reduce-scatters and all-gathers: seconds per tensor of the bucket (a pad and a slice
     # each) and per element (packed into one buffer before the call; after it the received rows

@@ -30,9 +30,10 @@ UNCALIBRATED = {"latency": 100e-6, "bandwidth": 1e9, "memory_bandwidth": 5e9, "b
 # them is still current, and prices what they measure as planner/hardware.py says for their absence
 # 2026-11-29: ZeRO-1/2's packing, sequence parallelism's cost per activation element (tools/calibrate_engines.py),
 # each matmul call's cost per weight element (tools/calibrate.py weight_pass_rate), the
-# vocabulary-parallel head's host work (tools/calibrate_engines.py)
+# vocabulary-parallel head's host work (tools/calibrate_engines.py), FSDP2's bytes in its own pattern
+# (tools/calibrate.py)
 ADDED_SINCE = {"zero_overhead": 0.0, "zero_copy": 0.0, "sp_elementwise": 0.0, "weight_pass": 0.0,
-               "vocab_overhead": 0.0}
+               "vocab_overhead": 0.0, "fsdp_byte_time": 0.0}
 
 
 def cache_path() -> Path:
@@ -119,7 +120,8 @@ def _local_figures(precision: str, measure: Callable[[], dict] | None) -> dict:
             **{key: cached[key] for key in ("cp_ring_overhead", "cp_ring_elementwise", "cp_allgather_overhead",
                                             "cp_allgather_elementwise")},
             # ZeRO-1/2's packing around its collectives, sequence parallelism per element, each matmul
-            # call's weight pass, the vocabulary-parallel head (tools/calibrate_engines.py, tools/calibrate.py)
+            # call's weight pass, the vocabulary-parallel head, FSDP2's bytes (tools/calibrate_engines.py,
+            # tools/calibrate.py)
             **{key: cached.get(key, absent) for key, absent in ADDED_SINCE.items()},
             # gloo's all-gather and all-to-all (the engines' reduce-scatter) at their own rates
             "all_gather_link": {"bandwidth": cached["gather_bandwidth"], "latency": cached["gather_latency"],

@@ -10,8 +10,9 @@ Per pipeline rank, per optimizer step (T = micro_batch_size x M x block_size tok
                 (+ dtensor_optimizer_overhead x its parameter tensors under FSDP2 or tp: the fused kernel on
                  DTensors, one call per kind of parameter under tp)
     collective = calls x ring steps x latency + bytes sent / bandwidth      (alpha-beta, per link class)
-                (FSDP2's gathers and reduce-scatters: a call's latency at least fsdp_call_latency,
-                 what one costs on the backend in FSDP2's own pattern where the hardware measured it)
+                (FSDP2's gathers and reduce-scatters: a call's latency at least fsdp_call_latency, its
+                 bytes at fsdp_byte_time each inside a node, what they cost on the backend in FSDP2's
+                 own pattern where the hardware measured them)
     copies    = ZeRO-1/2's packing around its calls: tensors x zero_overhead + elements x zero_copy, per
                 reduce-scatter and all-gather (ZERO_COPY_BYTES / memory bandwidth an element where the
                 hardware gives neither figure), x busy like the compute (the rank's cores do it)
@@ -123,6 +124,14 @@ def step_latency(link: Link, gap: float, hw: Hardware) -> float:
     return link.near_latency + (link.latency - link.near_latency) * min(1.0, gap / hw.latency_gap)
 
 
+def fsdp_byte_time(c: Collective, lay: PlannedLayout, hw: Hardware, where: str) -> float:
+    """Seconds per byte sent of an FSDP2 all-gather or reduce-scatter inside a node where the hardware
+    measured them in FSDP2's own pattern (Hardware.fsdp_byte_time, at 2 local ranks), else 0: the
+    call's bytes pay the link's bandwidth like any other's."""
+    fsdp_call = fsdp_sharded(lay) and c.kind in ("all-gather", "reduce-scatter")
+    return hw.fsdp_byte_time if fsdp_call and where == "intra-node" else 0.0
+
+
 def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: float = math.inf) -> tuple[float, str]:
     """alpha-beta: each call pays a latency per ring step (all-reduce 2(n-1), reduce-scatter and
     all-gather n-1, a send 1), the bytes sent pay the bandwidth. The data-parallel engines'
@@ -143,9 +152,12 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: flo
         steps = n - 1
     # an FSDP2 gather or reduce-scatter never costs less than its calls measured on the backend in
     # FSDP2's own pattern (Hardware.fsdp_call_latency, measured at 2 ranks, one ring step: taken as
-    # the least a call costs, whatever its ring steps; 0 where not measured)
-    floor = hw.fsdp_call_latency if fsdp_sharded(lay) and c.kind in ("all-gather", "reduce-scatter") else 0.0
-    seconds = c.calls * max(floor, steps * step_latency(link, gap, hw)) + c.moved_bytes / link.bandwidth
+    # the least a call costs, whatever its ring steps; 0 where not measured), and its bytes pay the
+    # time each measured in that pattern where there is one (fsdp_byte_time)
+    fsdp_call = fsdp_sharded(lay) and c.kind in ("all-gather", "reduce-scatter")
+    floor = hw.fsdp_call_latency if fsdp_call else 0.0
+    byte_time = fsdp_byte_time(c, lay, hw, where) or 1 / link.bandwidth
+    seconds = c.calls * max(floor, steps * step_latency(link, gap, hw)) + c.moved_bytes * byte_time
     if c.gather_calls and hw.gather_link and where == "intra-node":
         # cp's allgather mode and sequence parallelism: their all-gathers at the backend's own rates
         # (DTensor's and cp's call the same all_gather_into_tensor the calibration times), the rest,
@@ -264,8 +276,10 @@ def _rank_rest(lay: PlannedLayout, traffic: list[Collective], opt_elems: int, te
             beside = window if fsdp else min(window, sum(compute) * 2 / 3 / lay.microbatches)
             exposed = max(seconds - beside, seconds / max(1, c.calls))
             window -= seconds - exposed
+        byte_time = fsdp_byte_time(c, lay, hw, where)
+        bytes_priced = f"x {byte_time * 1e9:.3g} ns (FSDP2's, measured)" if byte_time else "/ bandwidth"
         terms.append(TimeTerm(f"{c.kind} {c.group} ({where}{', overlapped' if hidden else ''})", seconds,
-                              exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B / bandwidth"))
+                              exposed, f"{c.calls} calls x ring steps x latency + {c.moved_bytes:,} B {bytes_priced}"))
     copies = engine_copies(traffic, lay, hw)
     if copies:
         terms.append(copies)

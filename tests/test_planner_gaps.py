@@ -113,6 +113,8 @@ def test_context_parallel_pays_its_attention_per_block_and_per_element(tmp_path,
      "needs cp_allgather_overhead: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\nfsdp_call_latency: -1.0e-3\n",
      "needs fsdp_call_latency: a positive number"),
+    ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\nfsdp_byte_time: fast\n",
+     "needs fsdp_byte_time: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
      "all_gather_link: {bandwidth: 1.0e+9, latency: 1.0e-5, near_latency: 0}\n", "needs near_latency: a positive number"),
     ("intra_node: {bandwidth: 1.0e+9, latency: 1.0e-5}\n"
@@ -184,6 +186,46 @@ def test_the_fsdp_call_floor_is_per_call_whatever_its_ring_steps(tmp_path):
     (plain, calls), (floored, _) = gathers(base), gathers(dataclasses.replace(base, fsdp_call_latency=1e-3))
     assert floored - plain == pytest.approx(calls * (1e-3 - 3 * 2e-4))
     assert gathers(dataclasses.replace(base, fsdp_call_latency=5e-4))[0] == plain
+
+
+@pytest.mark.parametrize("overrides, fsdp", [
+    (("parallel.strategy=fsdp",), True), (("parallel.strategy=zero", "parallel.zero_stage=3"), True),
+    (("parallel.strategy=fsdp", "parallel.reshard_after_forward=false"), True),
+    (("parallel.strategy=ddp",), False), (("parallel.strategy=zero", "parallel.zero_stage=2"), False),
+    (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true"), False),
+    (("parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=allgather"), False)])
+def test_fsdp2s_bytes_inside_a_node_cost_the_measured_fsdp_byte_time(tmp_path, overrides, fsdp):
+    """FSDP2's all-gathers and reduce-scatters inside a node: their bytes sent x fsdp_byte_time
+    instead of bytes / the link's bandwidth, their latency as before. ZeRO-2's gathers and
+    scatters, DDP's all-reduce, sequence parallelism's and cp's calls keep the links' rates, and so
+    does every call where the hardware gives no byte time."""
+    base = dataclasses.replace(_base(), gather_link=Link(1e9, 2e-4), scatter_link=Link(2e9, 3e-4))
+    priced = dataclasses.replace(base, fsdp_byte_time=5e-9)
+    plans = [_plan(tmp_path, hw, *overrides) for hw in (base, priced)]
+    terms = [{t.name: t.seconds for t in p.time.terms} for p in plans]
+    sent = {c.kind: c.moved_bytes for c in plans[0].collectives}
+    for kind, bandwidth in (("all-gather", 1e9), ("reduce-scatter", 2e9)):
+        name = next((n for n in terms[0] if n.startswith(kind)), None)
+        if fsdp:
+            assert sent[kind] > 0 and terms[1][name] - terms[0][name] == pytest.approx(sent[kind] * (5e-9 - 1 / bandwidth))
+        elif name:
+            assert terms[1][name] == terms[0][name]
+    assert {k: v for k, v in terms[1].items() if not k.startswith(("all-gather", "reduce-scatter"))} == \
+        {k: v for k, v in terms[0].items() if not k.startswith(("all-gather", "reduce-scatter"))}
+    assert plans[1].time.step_s > plans[0].time.step_s if fsdp else plans[1].time.step_s == plans[0].time.step_s
+
+
+def test_fsdp2s_bytes_across_nodes_keep_the_networks_bandwidth(tmp_path):
+    """fsdp over 4 ranks, 2 per node: its gathers cross the network, which the byte time measured
+    inside a node (2 local ranks) does not describe: nothing changes."""
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0", "parallel.strategy=fsdp"])
+    base = _base()
+
+    def step(hw):
+        return planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 4), True, None, hw).time.step_s
+    assert step(base) == step(dataclasses.replace(base, fsdp_byte_time=5e-9))
+    assert step(dataclasses.replace(base, devices_per_node=4)) < step(dataclasses.replace(base, devices_per_node=4,
+                                                                                          fsdp_byte_time=5e-9))
 
 
 def test_a_group_across_nodes_keeps_its_cards_near_latency(tmp_path):

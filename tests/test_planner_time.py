@@ -158,7 +158,7 @@ def test_every_optional_hardware_cost_is_read_into_its_own_field(tmp_path):
              "split_backward_overhead", "split_backward_elementwise", "fsdp_copy", "dtensor_optimizer_overhead",
              "latency_gap", "cp_ring_overhead", "cp_ring_elementwise", "cp_allgather_overhead",
              "cp_allgather_elementwise", "fsdp_call_latency", "zero_overhead", "zero_copy", "sp_elementwise",
-             "weight_pass", "vocab_overhead")
+             "weight_pass", "vocab_overhead", "fsdp_byte_time")
     assert sorted(OPTIONAL_COSTS) == sorted(names)
     given = {key: (i + 1) * 1e-6 for i, key in enumerate(names)}
     spec = tmp_path / "hw.yaml"
@@ -183,8 +183,10 @@ def test_local_hardware_measured_once_then_cached(tmp_path, monkeypatch):
     assert first.intra_node.latency > 0 and first.peak("fp32") > 0
     # the engines' host work per block, measured on the fake group (DTensor's dispatch, FSDP2's hooks)
     assert first.tp_overhead > 0 and first.fsdp_overhead > 0 and first.sp_overhead > 0
-    # FSDP2's calls on the real gloo group cost more than its host work and bytes
-    assert first.fsdp_call_latency > 0
+    # FSDP2's calls on the real gloo group cost more than its host work: a latency per call and a
+    # time per byte sent, measured and cached
+    assert first.fsdp_call_latency > 0 and first.fsdp_byte_time > 0
+    assert (second.fsdp_call_latency, second.fsdp_byte_time) == (first.fsdp_call_latency, first.fsdp_byte_time)
     assert not first.overlap  # the CPU's cores do the collectives' work
     assert first.shared_node  # a local launch of more ranks than cores shares them
     assert first.reduce_scatter_as_all_reduce  # gloo's reduce_scatter_tensor is an all-reduce
@@ -882,12 +884,60 @@ def test_fsdp_calls_counts_what_fsdp2_issues_in_a_step():
     assert fsdp_calls(model) == 15 and counts == {"_allgather_base_": 10, "_reduce_scatter_base_": 5}
 
 
-def test_fsdp_call_latency_is_the_time_on_gloo_beyond_host_work_and_bytes_per_call():
-    """(gloo step - fake step x busy - bytes at gloo's rates) / calls: the engine GPT's parameters
-    are gathered twice and reduce-scattered once, each rank sending half; never below 0."""
-    from tools.calibrate import fsdp_call_latency
-    from tools.calibrate_engines import ENGINE_MODEL, engine_gpt
-    half = engine_gpt(ENGINE_MODEL).num_params(exclude_position=False) * 4 / 2
-    wire = 2 * half / 1e9 + half / 2e9
-    assert fsdp_call_latency(0.030, 0.006, 1.05, 1e9, 2e9) == pytest.approx((0.030 - 0.0063 - wire) / 15)
-    assert fsdp_call_latency(0.005, 0.006, 1.05, 1e9, 2e9) == 0.0
+def test_fsdp_call_costs_split_fsdp2s_time_on_gloo_into_calls_and_bytes():
+    """Each GPT's (gloo step - fake step x busy) is calls x latency + bytes sent x byte time: two
+    known figures give back exactly; a pair whose bytes come out free keeps the latency alone
+    (byte time 0: the planner then prices the bytes at the links' rates)."""
+    from tools.calibrate_engines import (
+        ENGINE_MODEL,
+        FSDP_BYTES_MODEL,
+        engine_gpt,
+        fsdp_call_costs,
+        fsdp_calls,
+        fsdp_sent_bytes,
+    )
+    latency, byte_time, busy = 8e-4, 1.1e-9, 1.05
+    models = [engine_gpt(shape) for shape in (ENGINE_MODEL, FSDP_BYTES_MODEL)]
+    gloo = [0.006 * busy + fsdp_calls(m) * latency + fsdp_sent_bytes(m) * byte_time for m in models]
+    assert fsdp_call_costs((gloo[0], 0.006), (gloo[1], 0.006), busy) == pytest.approx((latency, byte_time))
+    tiny_only = 0.006 * busy + fsdp_calls(models[0]) * latency
+    assert fsdp_call_costs((tiny_only, 0.006), (0.006 * busy, 0.006), busy) == pytest.approx((latency, 0.0))
+
+
+@pytest.mark.parametrize("shape", ["ENGINE_MODEL", "FSDP_BYTES_MODEL"])
+def test_fsdp_sent_bytes_is_what_fsdp2_sends_in_a_step(shape):
+    """fsdp_call_costs divides FSDP2's bytes' time by fsdp_sent_bytes: what one of 2 ranks sends in
+    a forward + backward, its shard of each all-gather's input and half of each reduce-scatter's,
+    as FSDP2 passes them to torch.distributed on the fake process group (within FSDP2's padding)."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import tools.calibrate_engines as engines
+    from model import lm_loss
+    from parallel.collectives import all_gather_single, reduce_scatter_single
+    dims = getattr(engines, shape)
+    sent = []
+    gather, scatter = all_gather_single, reduce_scatter_single  # torch 2.13's names, which FSDP2 calls
+
+    def counted(call, share):
+        def wrapped(*args, **kwargs):
+            t = list(inspect.signature(call).bind(*args, **kwargs).arguments.values())[1]  # the input
+            sent.append(t.numel() * t.element_size() // share)
+            return call(*args, **kwargs)
+        return wrapped
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        model = engines.fully_sharded(engines.engine_gpt(dims), init_device_mesh("cpu", (2,)))
+        x = engines.engine_tokens(dims)
+        lm_loss(model(x), x).backward()  # FSDP2's lazy initialisation
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dist, gather.__name__, counted(gather, 1))  # this rank's shard
+            mp.setattr(dist, scatter.__name__, counted(scatter, 2))  # the peer's half of the gradients
+            lm_loss(model(x), x).backward()
+    finally:
+        dist.destroy_process_group()
+    assert len(sent) == engines.fsdp_calls(model)
+    assert sum(sent) == pytest.approx(engines.fsdp_sent_bytes(model), rel=0.01)

@@ -13,8 +13,9 @@
 - engine overheads: what tensor, sequence, FSDP2 and context parallelism (and tp's
   vocabulary-parallel head) cost beyond a plain GPT,
   timed in one process on torch's fake process group (tools/calibrate_engines.py);
-- FSDP2's calls on gloo: the tiny GPT under FSDP2 on the 2 processes' gloo group, less the same on
-  the fake process group and less the bytes, per call (fsdp_call_latency);
+- FSDP2's calls on gloo: the tiny GPT and a wide one under FSDP2 on the 2 processes' gloo group,
+  less the same on the fake process group: a latency per call and a time per byte sent
+  (fsdp_call_latency, fsdp_byte_time; tools/calibrate_engines.py fsdp_call_costs);
 - weight pass: what each matmul call costs for its weight whatever its rows (the kernel packs or
   streams it once a call), per weight element per micro-batch: a 4-block stack at 64 and at 256
   wide, 16 x 32 tokens as 8 micro-batches against 1, the slope of the extra over the weights
@@ -65,12 +66,10 @@ from observe.perf import cpu_peak
 from tools.calibrate_engines import (
     ENGINE_MODEL,
     ENGINE_VOCAB,
-    engine_gpt,
-    engine_tokens,
+    FSDP_BYTES_MODEL,
     engines,
-    fsdp_calls,
-    fsdp_step,
-    fully_sharded,
+    fsdp_call_costs,
+    fsdp_steps,
     timed,
 )
 from tools.processes import child_env, multiprocess_lock
@@ -338,20 +337,6 @@ class LinkTimer:
         return got
 
 
-def fsdp_call_latency(gloo: float, fake: float, busy: float, gather_bandwidth: float, scatter_bandwidth: float) -> float:
-    """Seconds per FSDP2 gather or reduce-scatter at 2 ranks beyond its bytes, in FSDP2's own pattern:
-    the tiny GPT's forward + backward under FSDP2 on gloo (`gloo`, both ranks computing) less the
-    same on the fake process group (`fake`, its host work alone, x `busy` for two computing ranks)
-    less the bytes at gloo's gather and all-to-all rates (each rank sends half the parameters per
-    gather and per reduce-scatter), over its calls. Measured here: 0.7-1.3 ms a call, where a 4 KB
-    call right after another costs 0.15-1.0 ms: FSDP2 waits on calls it issued from its hooks, with
-    little compute between them (planner/timing.py prices its calls at least this)."""
-    model = engine_gpt(ENGINE_MODEL)
-    half = model.num_params(exclude_position=False) * 4 / 2
-    wire = 2 * half / gather_bandwidth + half / scatter_bandwidth
-    return max(0.0, (gloo - fake * busy - wire) / fsdp_calls(model))
-
-
 def _link_child(rank: int, store_path: str, threads: int) -> None:
     """One of the 2 calibration processes. A step issues each collective after a stretch of compute,
     and its time sums many of them: so each call here follows the same ~6 ms of matmuls on both
@@ -374,23 +359,21 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     gap = sorted(timed(timer.work) for _ in range(5))[2]
     (latency, bandwidth, near), gather, scatter = got["all-reduce"], got["all-gather"], got["all-to-all"]
     torch.set_num_threads(threads)  # the threads engines() times the same model with on the fake group
-    sharded = fully_sharded(engine_gpt(ENGINE_MODEL), init_device_mesh("cpu", (2,)))
-    gloo_fsdp = fsdp_step(sharded, engine_tokens(ENGINE_MODEL))
-    # FSDP2's state holds gloo's work and its tensors: released while the interpreter is alive, else
-    # a process sometimes aborted at exit ("terminate called without an active exception": 2 in
-    # about 30 calibrations here; the cause, https://github.com/pytorch/pytorch/pull/179291)
-    del sharded
+    # FSDP2's state holds gloo's work and its tensors: released (fsdp_steps keeps no model) while the
+    # interpreter is alive, else a process sometimes aborted at exit ("terminate called without an
+    # active exception": 2 in about 30 calibrations here; https://github.com/pytorch/pytorch/pull/179291)
+    gloo_fsdp = fsdp_steps((ENGINE_MODEL, FSDP_BYTES_MODEL), init_device_mesh("cpu", (2,)))
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         figures = engines(threads)
-        call = fsdp_call_latency(gloo_fsdp, figures.pop("fsdp_step"), slowdown, gather[1], scatter[1])
+        call, byte = fsdp_call_costs(*zip(gloo_fsdp, figures.pop("fsdp_steps")), slowdown)
         print(json.dumps({"latency": latency, "bandwidth": bandwidth, "near_latency": near, "latency_gap": gap,
                           "busy_node_slowdown": slowdown,
                           "gather_latency": gather[0], "gather_bandwidth": gather[1], "near_gather_latency": gather[2],
                           "scatter_latency": scatter[0], "scatter_bandwidth": scatter[1], "near_scatter_latency": scatter[2],
-                          "fsdp_call_latency": call, **figures}), flush=True)
+                          "fsdp_call_latency": call, "fsdp_byte_time": byte, **figures}), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ is closed.
   keeps the freed memory as trainer.host_memory=reuse does (returned to the kernel at every free,
   the same work measured 5x as long on 1-4 MB tensors: the fresh mappings' page faults);
 - plain_step: a whole training step of the plain tiny GPT, whose math takes microseconds;
-- fsdp_step: the FSDP2 tiny GPT's forward + backward here, where its collectives return at once:
-  tools/calibrate.py subtracts it from the same on gloo (fsdp_call_latency).
+- fsdp_steps: the FSDP2 tiny GPT's and FSDP_BYTES_MODEL's forward + backward here, where their
+  collectives return at once: tools/calibrate.py subtracts them from the same on gloo
+  (fsdp_call_costs: a latency per call and a time per byte sent).
 """
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ CP_MODES = ("ring", "allgather")
 # packed copies together outgrow the 2-core machine's 32 MiB last-level cache, as a model's do
 # (ENGINE_MODEL's 0.2M stay in it)
 ZERO_WIDE = (2, 512, 16, 2)
+# the second FSDP2 GPT timed on gloo (tools/calibrate.py) and here: 2 blocks of 512, 6.3M parameters, 38 MB
+# sent by each rank a step in 9 calls, where the tiny GPT sends 0.4 MB in 15: its time on gloo is mostly
+# bytes, the tiny one's calls (fsdp_call_costs)
+FSDP_BYTES_MODEL = (2, 512, 16, 2)
 # the second tp and sp GPT: 8 sequences of 128 positions, 128 wide (131k activation elements a block)
 SP_WIDE = (2, 128, 128, 8)
 ROUNDS, WARMUP = 20, 3
@@ -114,9 +119,39 @@ def fsdp_calls(model: GPT) -> int:
     return 3 * (len(model.blocks) + 1)
 
 
-def fsdp_step(model: GPT, x: torch.Tensor, rounds: int = ROUNDS) -> float:
-    """The median forward + backward seconds of `model` on x over `rounds` steps after WARMUP."""
-    return _interleaved_medians([lambda: lm_loss(model(x), x).backward()], rounds)[0]
+def fsdp_sent_bytes(model: GPT) -> int:
+    """Bytes one of 2 ranks sends in one forward + backward of a `fully_sharded` GPT: half of the fp32
+    parameters per all-gather (two) and per reduce-scatter (one)."""
+    return 3 * model.num_params(exclude_position=False) * 4 // 2
+
+
+def fsdp_steps(shapes: tuple[tuple[int, int, int, int], ...], mesh) -> list[float]:
+    """The median forward + backward seconds of a `fully_sharded` GPT of each shape on its tokens,
+    ROUNDS after WARMUP, one model after the other: on gloo, with the two taking turns, two
+    calibrations put the tiny GPT's calls at 0.99 and 1.61 ms, one after the other three at
+    0.69-0.93 (0.7-1.3 in the 24 calibrations of docs/planner.md that timed the tiny one alone)."""
+    return [_fsdp_step(fully_sharded(engine_gpt(shape), mesh), engine_tokens(shape)) for shape in shapes]
+
+
+def _fsdp_step(model: GPT, x: torch.Tensor) -> float:
+    """The median forward + backward seconds of `model` on x (the model released on return)."""
+    return _interleaved_medians([lambda: lm_loss(model(x), x).backward()])[0]
+
+
+def fsdp_call_costs(tiny: tuple[float, float], wide: tuple[float, float], busy: float) -> tuple[float, float]:
+    """(seconds per call, seconds per byte a rank sends) of FSDP2's all-gathers and reduce-scatters
+    at 2 ranks on the backend, in FSDP2's own pattern: a GPT's forward + backward under FSDP2 there
+    (both ranks computing) less the same on the fake process group (its host work alone, x `busy`)
+    is calls x latency + bytes sent x byte time, from the tiny GPT (ENGINE_MODEL: 15 calls, 0.4 MB)
+    and FSDP_BYTES_MODEL (9 calls, 38 MB): each (gloo, fake) seconds. Measured on the 2-core CPU
+    (4 probes by hand and 3 calibrations): 0.66-0.93 ms a call and 1.0-1.4 ns a byte (0.7-1.0
+    GB/s), where gloo's own all-gather and all-to-all, timed alone between 6 ms of matmuls in the
+    same runs, moved 1.1-1.6 and 1.4-2.7 GB/s: at those rates a deep FSDP2 model's calls were
+    priced below what they cost (docs/planner.md). A noisy pair that gives no byte time keeps the latency alone (two_part):
+    planner/timing.py then prices the bytes at the links' rates."""
+    rows = [(gloo - fake * busy, fsdp_calls(model), fsdp_sent_bytes(model))
+            for (gloo, fake), model in ((tiny, engine_gpt(ENGINE_MODEL)), (wide, engine_gpt(FSDP_BYTES_MODEL)))]
+    return two_part(*rows)
 
 
 def activation_elements(shape: tuple[int, int, int, int]) -> int:
@@ -175,6 +210,7 @@ def engines(threads: int) -> dict:
               "tp wide": (apply_tensor_parallel(engine_gpt(SP_WIDE), mesh), sp_wide),
               "sp wide": (apply_tensor_parallel(engine_gpt(SP_WIDE), mesh, sequence_parallel=True), sp_wide),
               "fsdp": (fully_sharded(engine_gpt(ENGINE_MODEL), mesh), small),
+              "fsdp bytes": (fully_sharded(engine_gpt(FSDP_BYTES_MODEL), mesh), engine_tokens(FSDP_BYTES_MODEL)),
               "plain wide": (engine_gpt(ENGINE_WIDE), wide), "fsdp wide": (fully_sharded(engine_gpt(ENGINE_WIDE), mesh), wide),
               # the same tokens and query-key pairs as a cp rank's (the zigzag split gives each rank
               # the same pairs: planner/compute.py attention_flops): half the sequences, twice as long
@@ -203,7 +239,8 @@ def engines(threads: int) -> dict:
     dist.destroy_process_group()
     return {"tp_overhead": tp, "vocab_overhead": vocab, "sp_overhead": sp[0], "sp_elementwise": sp[1], "fsdp_overhead": fsdp, "fsdp_copy": copy,
             "dtensor_optimizer_overhead": optimizer, "plain_step": plain_step,
-            "fsdp_step": median["fsdp"],  # FSDP2's host work alone: tools/calibrate.py fsdp_call_latency
+            # FSDP2's host work alone, which tools/calibrate.py takes from the same on gloo (fsdp_call_costs)
+            "fsdp_steps": (median["fsdp"], median["fsdp bytes"]),
             "zero_overhead": zero_overhead, "zero_copy": zero_copy,
             **{f"cp_{mode}_overhead": cp[mode][0] for mode in CP_MODES},
             **{f"cp_{mode}_elementwise": cp[mode][1] for mode in CP_MODES}}
