@@ -144,10 +144,10 @@ def fsdp_call_costs(tiny: tuple[float, float], wide: tuple[float, float], busy: 
     (both ranks computing) less the same on the fake process group (its host work alone, x `busy`)
     is calls x latency + bytes sent x byte time, from the tiny GPT (ENGINE_MODEL: 15 calls, 0.4 MB)
     and FSDP_BYTES_MODEL (9 calls, 38 MB): each (gloo, fake) seconds. Measured on the 2-core CPU
-    (4 probes by hand and 3 calibrations): 0.66-0.93 ms a call and 1.0-1.4 ns a byte (0.7-1.0
-    GB/s), where gloo's own all-gather and all-to-all, timed alone between 6 ms of matmuls in the
-    same runs, moved 1.1-1.6 and 1.4-2.7 GB/s: at those rates a deep FSDP2 model's calls were
-    priced below what they cost (docs/planner.md). A noisy pair that gives no byte time keeps the latency alone (two_part):
+    in 40 calibrations: 0.61-1.15 ms a call and 0.93-1.89 ns a byte (median 1.30), where gloo's
+    own all-gather and all-to-all, timed alone between 6 ms of matmuls in the same calibrations,
+    moved 0.96-1.65 and 1.3-2.7 GB/s: at those rates a deep FSDP2 model's calls were priced below
+    what they cost (docs/planner.md). A noisy pair that gives no byte time keeps the latency alone (two_part):
     planner/timing.py then prices the bytes at the links' rates."""
     rows = [(gloo - fake * busy, fsdp_calls(model), fsdp_sent_bytes(model))
             for (gloo, fake), model in ((tiny, engine_gpt(ENGINE_MODEL)), (wide, engine_gpt(FSDP_BYTES_MODEL)))]
