@@ -122,7 +122,7 @@ class Hardware:
     # measured in FSDP2's pattern on the backend with fsdp_call_latency (local: a wide 2-rank FSDP2 GPT
     # beside the tiny one, tools/calibrate_engines.py fsdp_call_costs). On the 2-core CPU 0.93-1.89 ns
     # (median 1.30) in 40 calibrations, where gloo's all-gather and all-to-all timed alone in the same
-    # calibrations moved 0.96-1.65 and 1.3-2.7 GB/s (0.6-1.0 ns a byte).
+    # calibrations moved 0.96-1.65 and 1.3-2.7 GB/s (0.6-1.0 and 0.4-0.8 ns a byte).
     # Absent: 0, FSDP2's bytes priced at the links' bandwidths like any other call's
     fsdp_byte_time: float = 0.0
     # what the project's ZeRO-1/2 engine (parallel/zero_shard.py) costs the rank's cores around each

@@ -23,7 +23,8 @@ per rank, the fullest rank (GB = 10^9 bytes); a = parameters held, n = dp ranks,
   moved: ring volume per rank per step: all-reduce 2K(n-1)/n, reduce-scatter and all-gather K(n-1)/n each: ddp and zero-1/2 2K(n-1)/n;
        zero-3/fsdp all-gather every unit twice (forward, backward) + reduce-scatter = 3K(n-1)/n (no-reshard: gathered once, 2K(n-1)/n)
   step: slowest rank's 3 x forward FLOPs (+1 forward with checkpointing) / (efficiency x peak) + bubble + communication
-       not hidden (latency per ring step + bytes / link bandwidth; DDP buckets and FSDP2 overlap compute, tp and pp do not)
+       not hidden (latency per ring step + bytes / link bandwidth, FSDP2's x fsdp_byte_time where measured; DDP buckets and
+       FSDP2 overlap compute, tp and pp do not)
        + AdamW's 32 B per element / memory bandwidth; MFU = (6N + 12Lhs) x tokens/s / (peak x ranks): docs/planner.md#step-time
   measured against these: docs/planner.md (every layout, benchmarks/strategy_report.py), docs/layouts.md#bytes-on-the-wire"""
 
@@ -55,7 +56,8 @@ formulas (b = micro-batch sequences, s = block_size, h = n_embd, V = vocabulary,
     boundary per micro-batch, plus the tied embedding's gradient all-reduce between the first and last stage
   bubble: (p-1)/(m+p-1) (gpipe, 1f1b), (p-1)/(v m+p-1) interleaved, zero-bubble: torch's action lists played out (weight passes fill most of it)
   step: slowest rank's 3 x forward FLOPs (+1 forward with checkpointing) / (efficiency x peak) + bubble + communication
-       not hidden (latency per ring step + bytes / link bandwidth; DDP buckets and FSDP2 overlap compute, tp and pp do not)
+       not hidden (latency per ring step + bytes / link bandwidth, FSDP2's x fsdp_byte_time where measured; DDP buckets and
+       FSDP2 overlap compute, tp and pp do not)
        + AdamW's 32 B per element / memory bandwidth; MFU = (6N + 12Lhs) x tokens/s / (peak x ranks): docs/planner.md#step-time
   measured against these: docs/planner.md (every layout, benchmarks/strategy_report.py), docs/layouts.md#bytes-on-the-wire"""
 

@@ -137,7 +137,8 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: flo
     all-gather n-1, a send 1), the bytes sent pay the bandwidth. The data-parallel engines'
     all-gathers and reduce-scatters, cp's and sequence parallelism's all-gathers, inside a node use
     the hardware's own figures for them where it gives them (gather_link, scatter_link: gloo's,
-    measured by `local`). On a backend that runs a
+    measured by `local`); FSDP2's own inside a node at the hardware's fsdp_byte_time where it gives
+    one (fsdp_byte_time). On a backend that runs a
     reduce-scatter as an all-reduce (gloo), sequence parallelism's reduce-scatters pay both twice.
     `gap`: the compute before each call since the rank's previous one (step_latency)."""
     n, link, where = group_link(lay, c.group, hw)

@@ -191,14 +191,12 @@ def test_the_fsdp_call_floor_is_per_call_whatever_its_ring_steps(tmp_path):
 @pytest.mark.parametrize("overrides, fsdp", [
     (("parallel.strategy=fsdp",), True), (("parallel.strategy=zero", "parallel.zero_stage=3"), True),
     (("parallel.strategy=fsdp", "parallel.reshard_after_forward=false"), True),
-    (("parallel.strategy=ddp",), False), (("parallel.strategy=zero", "parallel.zero_stage=2"), False),
-    (("parallel.strategy=none", "parallel.tp=2", "parallel.sequence_parallel=true"), False),
-    (("parallel.strategy=none", "parallel.cp=2", "parallel.cp_mode=allgather"), False)])
+    (("parallel.strategy=zero", "parallel.zero_stage=2"), False)])
 def test_fsdp2s_bytes_inside_a_node_cost_the_measured_fsdp_byte_time(tmp_path, overrides, fsdp):
     """FSDP2's all-gathers and reduce-scatters inside a node: their bytes sent x fsdp_byte_time
     instead of bytes / the link's bandwidth, their latency as before. ZeRO-2's gathers and
-    scatters, DDP's all-reduce, sequence parallelism's and cp's calls keep the links' rates, and so
-    does every call where the hardware gives no byte time."""
+    scatters (the same kinds of call, another engine) keep the links' rates, and so does every call
+    where the hardware gives no byte time."""
     base = dataclasses.replace(_base(), gather_link=Link(1e9, 2e-4), scatter_link=Link(2e9, 3e-4))
     priced = dataclasses.replace(base, fsdp_byte_time=5e-9)
     plans = [_plan(tmp_path, hw, *overrides) for hw in (base, priced)]
@@ -213,6 +211,23 @@ def test_fsdp2s_bytes_inside_a_node_cost_the_measured_fsdp_byte_time(tmp_path, o
     assert {k: v for k, v in terms[1].items() if not k.startswith(("all-gather", "reduce-scatter"))} == \
         {k: v for k, v in terms[0].items() if not k.startswith(("all-gather", "reduce-scatter"))}
     assert plans[1].time.step_s > plans[0].time.step_s if fsdp else plans[1].time.step_s == plans[0].time.step_s
+
+
+def test_hsdps_shard_gathers_pay_the_byte_time_and_its_replica_all_reduce_does_not(tmp_path):
+    """HSDP on 4 ranks of one node: FSDP2's gathers and reduce-scatters within a shard group pay
+    fsdp_byte_time for their bytes; the all-reduce of the shards across replica groups keeps the
+    link's bandwidth."""
+    cfg = load_config(None, TINY + [f"trainer.run_dir={tmp_path}", "trainer.micro_batch_size=0",
+                                    "parallel.strategy=fsdp", "parallel.dp_replicate=2"])
+    base = dataclasses.replace(_base(), devices_per_node=4, gather_link=Link(1e9, 2e-4), scatter_link=Link(1e9, 2e-4))
+
+    def plan(hw):
+        return planner.plan_layout(cfg, planner.gpt_config(cfg, 65), planner.check_layout(cfg, 4), True, None, hw)
+    plain, priced = plan(base), plan(dataclasses.replace(base, fsdp_byte_time=5e-9))
+    terms = [{t.name.split(" (")[0]: t.seconds for t in p.time.terms} for p in (plain, priced)]
+    gathered = next(c.moved_bytes for c in plain.collectives if c.kind == "all-gather")
+    assert terms[1]["all-gather dp_shard"] - terms[0]["all-gather dp_shard"] == pytest.approx(gathered * (5e-9 - 1e-9))
+    assert terms[1]["all-reduce dp_replicate"] == terms[0]["all-reduce dp_replicate"]
 
 
 def test_fsdp2s_bytes_across_nodes_keep_the_networks_bandwidth(tmp_path):

@@ -886,8 +886,9 @@ def test_fsdp_calls_counts_what_fsdp2_issues_in_a_step():
 
 def test_fsdp_call_costs_split_fsdp2s_time_on_gloo_into_calls_and_bytes():
     """Each GPT's (gloo step - fake step x busy) is calls x latency + bytes sent x byte time: two
-    known figures give back exactly; a pair whose bytes come out free keeps the latency alone
-    (byte time 0: the planner then prices the bytes at the links' rates)."""
+    known figures give back exactly. A noisy pair that gives either figure <= 0 keeps what the tiny
+    GPT alone gives, its extra less its bytes at gloo's gather and scatter rates per call, and no
+    byte time (the planner then prices the bytes at the links' rates), never a latency below 0."""
     from tools.calibrate_engines import (
         ENGINE_MODEL,
         FSDP_BYTES_MODEL,
@@ -899,9 +900,17 @@ def test_fsdp_call_costs_split_fsdp2s_time_on_gloo_into_calls_and_bytes():
     latency, byte_time, busy = 8e-4, 1.1e-9, 1.05
     models = [engine_gpt(shape) for shape in (ENGINE_MODEL, FSDP_BYTES_MODEL)]
     gloo = [0.006 * busy + fsdp_calls(m) * latency + fsdp_sent_bytes(m) * byte_time for m in models]
-    assert fsdp_call_costs((gloo[0], 0.006), (gloo[1], 0.006), busy) == pytest.approx((latency, byte_time))
-    tiny_only = 0.006 * busy + fsdp_calls(models[0]) * latency
-    assert fsdp_call_costs((tiny_only, 0.006), (0.006 * busy, 0.006), busy) == pytest.approx((latency, 0.0))
+    rates = (1e9, 2e9)  # gloo's all-gather and all-to-all, bytes a rank sends per second
+    assert fsdp_call_costs((gloo[0], 0.006), (gloo[1], 0.006), busy, *rates) == pytest.approx((latency, byte_time))
+    tiny_wire = fsdp_sent_bytes(models[0]) / 3 * (2 / 1e9 + 1 / 2e9)
+    fallback = (gloo[0] - 0.006 * busy - tiny_wire) / fsdp_calls(models[0])
+    # the wide GPT's extra no more than its calls' latency: no byte time
+    assert fsdp_call_costs((gloo[0], 0.006), (0.006 * busy, 0.006), busy, *rates) == pytest.approx((fallback, 0.0))
+    # the tiny GPT's extra all bytes: no latency, so the tiny one alone
+    bytes_only = [0.006 * busy + fsdp_sent_bytes(m) * byte_time for m in models]
+    assert fsdp_call_costs((bytes_only[0], 0.006), (bytes_only[1] + 0.01, 0.006), busy, *rates) == \
+        pytest.approx((max(0.0, (bytes_only[0] - 0.006 * busy - tiny_wire) / 15), 0.0))
+    assert fsdp_call_costs((0.001, 0.006), (0.002, 0.006), busy, *rates) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("shape", ["ENGINE_MODEL", "FSDP_BYTES_MODEL"])
@@ -940,4 +949,18 @@ def test_fsdp_sent_bytes_is_what_fsdp2_sends_in_a_step(shape):
     finally:
         dist.destroy_process_group()
     assert len(sent) == engines.fsdp_calls(model)
-    assert sum(sent) == pytest.approx(engines.fsdp_sent_bytes(model), rel=0.01)
+    assert sum(sent) == engines.fsdp_sent_bytes(model)  # every dim 0 is even: no padding at 2 ranks
+
+
+def test_fsdp_sent_bytes_is_what_the_planner_counts_for_fsdp2_at_2_ranks(tmp_path):
+    """planner/timing.py prices the bytes of FSDP2's gathers and reduce-scatters at the byte time the
+    calibration divides by fsdp_sent_bytes: the plan of the calibration's two GPTs at 2 ranks
+    (one micro-batch) counts the same bytes a rank sends in a step."""
+    from tools.calibrate_engines import ENGINE_MODEL, ENGINE_VOCAB, FSDP_BYTES_MODEL, engine_gpt, fsdp_sent_bytes
+    for layers, width, positions, sequences in (ENGINE_MODEL, FSDP_BYTES_MODEL):
+        cfg = load_config(None, [f"trainer.run_dir={tmp_path}", "parallel.strategy=fsdp", f"model.n_layer={layers}",
+                                 f"model.n_embd={width}", "model.n_head=4", f"model.block_size={positions}",
+                                 f"trainer.batch_size={2 * sequences}", "trainer.micro_batch_size=0"])
+        lp = planner.plan_layout(cfg, planner.gpt_config(cfg, ENGINE_VOCAB), planner.check_layout(cfg, 2), True, None)
+        planned = sum(c.moved_bytes for c in lp.collectives if c.kind in ("all-gather", "reduce-scatter"))
+        assert planned == fsdp_sent_bytes(engine_gpt((layers, width, positions, sequences)))

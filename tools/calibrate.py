@@ -368,7 +368,7 @@ def _link_child(rank: int, store_path: str, threads: int) -> None:
     dist.destroy_process_group()
     if rank == 0:
         figures = engines(threads)
-        call, byte = fsdp_call_costs(*zip(gloo_fsdp, figures.pop("fsdp_steps")), slowdown)
+        call, byte = fsdp_call_costs(*zip(gloo_fsdp, figures.pop("fsdp_steps")), slowdown, gather[1], scatter[1])
         print(json.dumps({"latency": latency, "bandwidth": bandwidth, "near_latency": near, "latency_gap": gap,
                           "busy_node_slowdown": slowdown,
                           "gather_latency": gather[0], "gather_bandwidth": gather[1], "near_gather_latency": gather[2],

@@ -71,7 +71,7 @@ CP_MODES = ("ring", "allgather")
 # (ENGINE_MODEL's 0.2M stay in it)
 ZERO_WIDE = (2, 512, 16, 2)
 # the second FSDP2 GPT timed on gloo (tools/calibrate.py) and here: 2 blocks of 512, 6.3M parameters, 38 MB
-# sent by each rank a step in 9 calls, where the tiny GPT sends 0.4 MB in 15: its time on gloo is mostly
+# sent by each rank a step in 9 calls, where the tiny GPT sends 1.2 MB in 15: its time on gloo is mostly
 # bytes, the tiny one's calls (fsdp_call_costs)
 FSDP_BYTES_MODEL = (2, 512, 16, 2)
 # the second tp and sp GPT: 8 sequences of 128 positions, 128 wide (131k activation elements a block)
@@ -138,20 +138,31 @@ def _fsdp_step(model: GPT, x: torch.Tensor) -> float:
     return _interleaved_medians([lambda: lm_loss(model(x), x).backward()])[0]
 
 
-def fsdp_call_costs(tiny: tuple[float, float], wide: tuple[float, float], busy: float) -> tuple[float, float]:
+def fsdp_call_costs(tiny: tuple[float, float], wide: tuple[float, float], busy: float,
+                    gather_bandwidth: float, scatter_bandwidth: float) -> tuple[float, float]:
     """(seconds per call, seconds per byte a rank sends) of FSDP2's all-gathers and reduce-scatters
     at 2 ranks on the backend, in FSDP2's own pattern: a GPT's forward + backward under FSDP2 there
     (both ranks computing) less the same on the fake process group (its host work alone, x `busy`)
-    is calls x latency + bytes sent x byte time, from the tiny GPT (ENGINE_MODEL: 15 calls, 0.4 MB)
-    and FSDP_BYTES_MODEL (9 calls, 38 MB): each (gloo, fake) seconds. Measured on the 2-core CPU
-    in 40 calibrations: 0.61-1.15 ms a call and 0.93-1.89 ns a byte (median 1.30), where gloo's
-    own all-gather and all-to-all, timed alone between 6 ms of matmuls in the same calibrations,
-    moved 0.96-1.65 and 1.3-2.7 GB/s: at those rates a deep FSDP2 model's calls were priced below
-    what they cost (docs/planner.md). A noisy pair that gives no byte time keeps the latency alone (two_part):
-    planner/timing.py then prices the bytes at the links' rates."""
-    rows = [(gloo - fake * busy, fsdp_calls(model), fsdp_sent_bytes(model))
-            for (gloo, fake), model in ((tiny, engine_gpt(ENGINE_MODEL)), (wide, engine_gpt(FSDP_BYTES_MODEL)))]
-    return two_part(*rows)
+    is calls x latency + bytes sent x byte time, from the tiny GPT (ENGINE_MODEL: 15 calls, 1.2 MB
+    sent a step) and FSDP_BYTES_MODEL (9 calls, 38 MB): each (gloo, fake) seconds, two equations in
+    two unknowns. Measured on the 2-core CPU in 40 calibrations: 0.61-1.15 ms a call and 0.93-1.89
+    ns a byte (median 1.30), where gloo's own all-gather and all-to-all, timed alone between 6 ms of
+    matmuls in the same calibrations, moved 0.96-1.65 and 1.3-2.7 GB/s (0.4-1.0 ns a byte): at those
+    rates a deep FSDP2 model's calls were priced below what they cost (docs/planner.md). A noisy pair
+    that gives either figure <= 0 keeps what the tiny GPT alone gives: its extra less its bytes at
+    gloo's `gather_bandwidth` and `scatter_bandwidth` (bytes a rank sends per second), per call,
+    and no byte time (planner/timing.py then prices FSDP2's bytes at those links' rates)."""
+    (tiny_extra, tiny_calls, tiny_bytes), (wide_extra, wide_calls, wide_bytes) = (
+        (gloo - fake * busy, fsdp_calls(model), fsdp_sent_bytes(model))
+        for (gloo, fake), model in ((tiny, engine_gpt(ENGINE_MODEL)), (wide, engine_gpt(FSDP_BYTES_MODEL))))
+    det = tiny_calls * wide_bytes - wide_calls * tiny_bytes
+    latency = (tiny_extra * wide_bytes - wide_extra * tiny_bytes) / det
+    byte_time = (tiny_calls * wide_extra - wide_calls * tiny_extra) / det
+    if latency > 0 and byte_time > 0:
+        return latency, byte_time
+    # each gather sends a third of the step's bytes, the reduce-scatter one
+    wire = tiny_bytes / 3 * (2 / gather_bandwidth + 1 / scatter_bandwidth)
+    return max(0.0, (tiny_extra - wire) / tiny_calls), 0.0
 
 
 def activation_elements(shape: tuple[int, int, int, int]) -> int:
