@@ -124,12 +124,16 @@ def step_latency(link: Link, gap: float, hw: Hardware) -> float:
     return link.near_latency + (link.latency - link.near_latency) * min(1.0, gap / hw.latency_gap)
 
 
+def fsdp_own_call(c: Collective, lay: PlannedLayout) -> bool:
+    """Is `c` one of FSDP2's own all-gathers or reduce-scatters (not HSDP's all-reduce, tp's or cp's)?"""
+    return fsdp_sharded(lay) and c.kind in ("all-gather", "reduce-scatter")
+
+
 def fsdp_byte_time(c: Collective, lay: PlannedLayout, hw: Hardware, where: str) -> float:
     """Seconds per byte sent of an FSDP2 all-gather or reduce-scatter inside a node where the hardware
     measured them in FSDP2's own pattern (Hardware.fsdp_byte_time, at 2 local ranks), else 0: the
     call's bytes pay the link's bandwidth like any other's."""
-    fsdp_call = fsdp_sharded(lay) and c.kind in ("all-gather", "reduce-scatter")
-    return hw.fsdp_byte_time if fsdp_call and where == "intra-node" else 0.0
+    return hw.fsdp_byte_time if fsdp_own_call(c, lay) and where == "intra-node" else 0.0
 
 
 def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: float = math.inf) -> tuple[float, str]:
@@ -155,8 +159,7 @@ def collective_seconds(c: Collective, lay: PlannedLayout, hw: Hardware, gap: flo
     # FSDP2's own pattern (Hardware.fsdp_call_latency, measured at 2 ranks, one ring step: taken as
     # the least a call costs, whatever its ring steps; 0 where not measured), and its bytes pay the
     # time each measured in that pattern where there is one (fsdp_byte_time)
-    fsdp_call = fsdp_sharded(lay) and c.kind in ("all-gather", "reduce-scatter")
-    floor = hw.fsdp_call_latency if fsdp_call else 0.0
+    floor = hw.fsdp_call_latency if fsdp_own_call(c, lay) else 0.0
     byte_time = fsdp_byte_time(c, lay, hw, where) or 1 / link.bandwidth
     seconds = c.calls * max(floor, steps * step_latency(link, gap, hw)) + c.moved_bytes * byte_time
     if c.gather_calls and hw.gather_link and where == "intra-node":

@@ -917,7 +917,8 @@ def test_fsdp_call_costs_split_fsdp2s_time_on_gloo_into_calls_and_bytes():
 def test_fsdp_sent_bytes_is_what_fsdp2_sends_in_a_step(shape):
     """fsdp_call_costs divides FSDP2's bytes' time by fsdp_sent_bytes: what one of 2 ranks sends in
     a forward + backward, its shard of each all-gather's input and half of each reduce-scatter's,
-    as FSDP2 passes them to torch.distributed on the fake process group (within FSDP2's padding)."""
+    as FSDP2 passes them to torch.distributed on the fake process group (to the byte: at 2 ranks
+    every dim 0 is even, so FSDP2 pads nothing)."""
     import inspect
 
     import torch.distributed as dist

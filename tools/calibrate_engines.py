@@ -152,14 +152,12 @@ def fsdp_call_costs(tiny: tuple[float, float], wide: tuple[float, float], busy: 
     that gives either figure <= 0 keeps what the tiny GPT alone gives: its extra less its bytes at
     gloo's `gather_bandwidth` and `scatter_bandwidth` (bytes a rank sends per second), per call,
     and no byte time (planner/timing.py then prices FSDP2's bytes at those links' rates)."""
-    (tiny_extra, tiny_calls, tiny_bytes), (wide_extra, wide_calls, wide_bytes) = (
-        (gloo - fake * busy, fsdp_calls(model), fsdp_sent_bytes(model))
-        for (gloo, fake), model in ((tiny, engine_gpt(ENGINE_MODEL)), (wide, engine_gpt(FSDP_BYTES_MODEL))))
-    det = tiny_calls * wide_bytes - wide_calls * tiny_bytes
-    latency = (tiny_extra * wide_bytes - wide_extra * tiny_bytes) / det
-    byte_time = (tiny_calls * wide_extra - wide_calls * tiny_extra) / det
+    rows = [(gloo - fake * busy, fsdp_calls(model), fsdp_sent_bytes(model))
+            for (gloo, fake), model in ((tiny, engine_gpt(ENGINE_MODEL)), (wide, engine_gpt(FSDP_BYTES_MODEL)))]
+    latency, byte_time = two_part(*rows)  # either one 0 where the pair is noisy
     if latency > 0 and byte_time > 0:
         return latency, byte_time
+    tiny_extra, tiny_calls, tiny_bytes = rows[0]
     # each gather sends a third of the step's bytes, the reduce-scatter one
     wire = tiny_bytes / 3 * (2 / gather_bandwidth + 1 / scatter_bandwidth)
     return max(0.0, (tiny_extra - wire) / tiny_calls), 0.0
